@@ -1,0 +1,1 @@
+"""Edge side: local training procedures, the board agent, its resource monitor and service unit."""

@@ -1,0 +1,65 @@
+"""Pieces every local procedure shares: optimiser, batching, augmentation, losses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge.procedures.registry import ClientData
+from nestling.data.augment import augment_batch
+
+
+def make_optimizer(params: list[nn.Parameter], hp: dict[str, Any]) -> torch.optim.Optimizer:
+    """SGD with the task's lr / momentum / weight decay (every method here uses SGD)."""
+    return torch.optim.SGD([p for p in params if p.requires_grad], lr=float(hp.get("lr", 0.1)),
+                           momentum=float(hp.get("momentum", 0.0)), weight_decay=float(hp.get("weight_decay", 0.0)))
+
+
+def batches(data: ClientData, hp: dict[str, Any], generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shuffled mini-batches for `local_epochs` epochs, or exactly `local_steps` steps when given."""
+    n = len(data)
+    batch = max(1, min(int(hp.get("batch_size", 32)), n))
+    steps = hp.get("local_steps")
+    total = int(steps) if steps is not None else int(hp.get("local_epochs", 1)) * max(1, -(-n // batch))
+    done = 0
+    while done < total:
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch):
+            idx = order[start:start + batch]
+            if len(idx) < 2 and n >= 2:  # a single-sample batch breaks BatchNorm's batch statistics
+                continue
+            x = data.x[idx]
+            if data.augment != "none":
+                x = augment_batch(x, data.augment, generator)
+            yield x, data.y[idx]
+            done += 1
+            if done >= total:
+                return
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
+    """CE, optionally label-masked: logits of classes outside the client's label set (HeteroFL) or,
+    without one, outside the batch (FeDepth) are set to 0 — not −∞ (METHODS §7.1)."""
+    if hp.get("masked_ce"):
+        present = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+        label_set = hp.get("label_set")
+        present[torch.as_tensor(label_set, device=logits.device) if label_set is not None else y] = True
+        logits = logits.masked_fill(~present, 0.0)
+    return F.cross_entropy(logits, y)
+
+
+def step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params: list[nn.Parameter], hp: dict[str, Any]) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    clip = hp.get("grad_clip")
+    if clip:
+        nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], float(clip))
+    optimizer.step()
+
+
+def outputs_list(out: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    return out if isinstance(out, list) else [out]

@@ -1,0 +1,93 @@
+"""Multi-exit procedures: DepthFL mutual distillation (§7.3) and ScaleFL exit self-distillation (§6.a.5)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from edge.procedures.common import batches, make_optimizer, outputs_list, step
+from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.models.net import ScalableNet
+
+
+def depthfl_kd_weight(round_index: int, ramp_rounds: int = 300) -> float:
+    """w_t = exp(−5·(1 − min(t, R)/R)²): sigmoid ramp-up of the consistency weight (METHODS §7.3)."""
+    t = min(max(round_index, 0), ramp_rounds) / ramp_rounds
+    return math.exp(-5.0 * (1.0 - t) ** 2)
+
+
+def depthfl_loss(outputs: list[torch.Tensor], y: torch.Tensor, kd_weight: float, use_kd: bool = True) -> torch.Tensor:
+    """Σ_i CE(z_i, y) + (w/(d−1)) Σ_{j≠i} KL(softmax(z_j).detach() ‖ softmax(z_i)), T = 1, batch-mean KL."""
+    d = len(outputs)
+    loss = sum(F.cross_entropy(z, y) for z in outputs)
+    if use_kd and d > 1:
+        log_probs = [F.log_softmax(z, dim=1) for z in outputs]
+        targets = [F.softmax(z.detach(), dim=1) for z in outputs]
+        kd = outputs[0].new_zeros(())
+        for i in range(d):
+            for j in range(d):
+                if i != j:
+                    kd = kd + F.kl_div(log_probs[i], targets[j] + 1e-7, reduction="batchmean")
+        loss = loss + kd_weight / (d - 1) * kd
+    return loss
+
+
+def scalefl_exit_weights(num_outputs: int) -> list[float]:
+    """Exit i weighted i / (J(J+1)/2): the weights sum to 1 (METHODS §6.a.5)."""
+    total = num_outputs * (num_outputs + 1) / 2
+    return [(i + 1) / total for i in range(num_outputs)]
+
+
+def scalefl_loss(outputs: list[torch.Tensor], y: torch.Tensor, *, kd_active: bool, gamma: float,
+                 temperature: float) -> torch.Tensor:
+    """Code form of ScaleFL's loss: teacher = last exit, not detached, KLDiv 'mean' reduction."""
+    weights = scalefl_exit_weights(len(outputs))
+    teacher = outputs[-1]
+    loss = weights[-1] * F.cross_entropy(teacher, y)
+    for w, student in zip(weights[:-1], outputs[:-1]):
+        term = F.cross_entropy(student, y)
+        if kd_active and gamma > 0:
+            t = temperature
+            kl = F.kl_div(F.log_softmax(student / t, dim=1), F.softmax(teacher / t, dim=1), reduction="mean")
+            term = term + gamma * t * t * kl
+        loss = loss + w * term
+    return loss
+
+
+@register("depthfl-kd")
+def train_depthfl(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
+                  generator: torch.Generator) -> LocalOutcome:
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, hp)
+    weight = depthfl_kd_weight(int(hp.get("round", 0)), int(hp.get("kd_ramp_rounds", 300)))
+    use_kd = bool(hp.get("kd", True))
+    model.train()
+    losses: list[float] = []
+    for x, y in batches(data, hp, generator):
+        loss = depthfl_loss(outputs_list(model(x)), y, weight, use_kd)
+        step(optimizer, loss, params, hp)
+        losses.append(float(loss.detach()))
+    return LocalOutcome(model, len(data), losses, len(losses), extra={"kd_weight": weight})
+
+
+@register("scalefl-sd")
+def train_scalefl(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
+                  generator: torch.Generator) -> LocalOutcome:
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, hp)
+    kd_active = int(hp.get("round", 0)) > float(hp.get("kd_start_fraction", 0.25)) * int(hp.get("total_rounds", 1))
+    gamma, temperature = float(hp.get("kd_gamma", 0.0)), float(hp.get("kd_temperature", 3.0))
+    model.train()
+    losses: list[float] = []
+    touched: set[str] = set()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for x, y in batches(data, hp, generator):
+        loss = scalefl_loss(outputs_list(model(x)), y, kd_active=kd_active, gamma=gamma, temperature=temperature)
+        step(optimizer, loss, params, hp)
+        touched.update(names[id(p)] for p in params if p.grad is not None)
+        losses.append(float(loss.detach()))
+    untouched = {n for n, _ in model.named_parameters()} - touched
+    return LocalOutcome(model, len(data), losses, len(losses), untouched=untouched, extra={"kd_active": kd_active})

@@ -1,0 +1,55 @@
+"""`fjord`: ordered dropout — a width p ≤ p_max sampled per mini-batch, optional p_max self-distillation (METHODS §7.2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list, step
+from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.models.layers import set_active_width
+from nestling.models.net import ScalableNet
+
+
+def widths_up_to(p_max: float, levels: list[float]) -> list[float]:
+    """The widths a client of tier p_max may sample (never above p_max)."""
+    allowed = [p for p in levels if p <= p_max + 1e-9]
+    if not allowed:
+        raise ValueError(f"no FjORD width level ≤ p_max={p_max} in {levels}")
+    return allowed
+
+
+@register("fjord")
+def train_fjord(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
+                generator: torch.Generator) -> LocalOutcome:
+    allowed = widths_up_to(float(hp["p_max"]), [float(w) for w in hp["widths"]])
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, hp)
+    use_kd = bool(hp.get("fjord_kd", False))
+    model.train()
+    losses: list[float] = []
+    sampled: list[float] = []
+    for x, y in batches(data, hp, generator):
+        p = allowed[int(torch.randint(len(allowed), (1,), generator=generator))]
+        sampled.append(p)
+        optimizer.zero_grad(set_to_none=True)
+        if use_kd and p < allowed[-1]:
+            # Teacher = the widest allowed width, trained by its own CE only.
+            set_active_width(model, allowed[-1])
+            teacher = outputs_list(model(x))[-1]
+            cross_entropy(teacher, y, hp).backward()
+            set_active_width(model, p)
+            student = outputs_list(model(x))[-1]
+            soft = F.softmax(teacher.detach(), dim=1)
+            loss = torch.sum(-soft * F.log_softmax(student, dim=1), dim=1).mean()
+            loss.backward()
+            optimizer.step()
+        else:
+            set_active_width(model, p)
+            loss = cross_entropy(outputs_list(model(x))[-1], y, hp)
+            step(optimizer, loss, params, hp)
+        losses.append(float(loss.detach()))
+    set_active_width(model, None)
+    return LocalOutcome(model, len(data), losses, len(losses), extra={"sampled_widths": sampled})

@@ -1,0 +1,26 @@
+"""`sgd`: plain local SGD with cross-entropy on the deepest output (FedAvg, NeFL, HeteroFL, FeDepth r=1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list, step
+from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.models.net import ScalableNet
+
+
+@register("sgd")
+def train_sgd(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
+              generator: torch.Generator) -> LocalOutcome:
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, hp)
+    model.train()
+    losses: list[float] = []
+    for x, y in batches(data, hp, generator):
+        logits = outputs_list(model(x))[-1]
+        loss = cross_entropy(logits, y, hp)
+        step(optimizer, loss, params, hp)
+        losses.append(float(loss.detach()))
+    return LocalOutcome(model, len(data), losses, len(losses))

@@ -1,0 +1,64 @@
+"""Registry of local procedures and the records they exchange with the trainer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nestling.errors import ConfigError
+from nestling.models.net import ScalableNet
+
+
+@dataclass
+class ClientData:
+    """A device's own training samples, already normalised tensors (x: N,C,H,W; y: N)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    augment: str = "none"
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+class DeviceStore(dict):
+    """Small persistent per-device state that survives between rounds on the board
+    (m-FeDepth's auxiliary model, DynamicFL's salience); the simulator keeps one per virtual device."""
+
+
+@dataclass
+class LocalOutcome:
+    """What a procedure returns: the trained model plus what it measured."""
+
+    model: ScalableNet
+    num_samples: int
+    losses: list[float]
+    steps: int
+    untouched: set[str] = field(default_factory=set)  # tensors that received no gradient (ScaleFL counts)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Procedure = Callable[[ScalableNet, ClientData, dict[str, Any], DeviceStore, torch.Generator], LocalOutcome]
+_PROCEDURES: dict[str, Procedure] = {}
+
+
+def register(name: str) -> Callable[[Procedure], Procedure]:
+    def wrap(fn: Procedure) -> Procedure:
+        _PROCEDURES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_procedure(name: str) -> Procedure:
+    try:
+        return _PROCEDURES[name]
+    except KeyError:
+        raise ConfigError(f"unknown local procedure '{name}' (known: {', '.join(sorted(_PROCEDURES))})") from None
+
+
+def known_procedures() -> list[str]:
+    return sorted(_PROCEDURES)

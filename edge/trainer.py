@@ -1,0 +1,57 @@
+"""Run one Task on a board: build the assigned slice, train it with the named procedure, report a Result."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import torch
+
+from edge.procedures import ClientData, DeviceStore, get_procedure
+from nestling.messages import Result, Task
+from nestling.models.zoo import build
+from nestling.spec import SubmodelSpec
+
+
+def task_generator(task: Task) -> torch.Generator:
+    """Per-task RNG seeded from the task, so any backend or resume reproduces the same training."""
+    generator = torch.Generator()
+    generator.manual_seed(int(task.hparams.get("seed", 0)) & 0x7FFF_FFFF_FFFF_FFFF)
+    return generator
+
+
+def run_task(task: Task, data: ClientData, store: DeviceStore | None = None,
+             device: torch.device | str = "cpu") -> Result:
+    """Train exactly the submodel the task names (never the full model) and package the trained slice."""
+    spec = SubmodelSpec.from_dict(task.spec)
+    procedure = get_procedure(task.procedure)
+    started = time.perf_counter()
+    use_cuda = torch.device(device).type == "cuda"
+    if use_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = psutil.Process().memory_info().rss
+    model = build(spec, init=False)
+    model.load_state_dict(task.weights, strict=True)
+    model.to(device)
+    local = ClientData(data.x.to(device), data.y.to(device), data.augment)
+    outcome = procedure(model, local, {**task.hparams, "round": task.round}, store if store is not None else DeviceStore(),
+                        task_generator(task))
+    trained = {k: v.detach().to("cpu") for k, v in outcome.model.state_dict().items()}
+    for key in outcome.untouched:
+        trained.pop(key, None)
+    seconds = time.perf_counter() - started
+    peak = (torch.cuda.max_memory_allocated(device) if use_cuda
+            else max(0, psutil.Process().memory_info().rss - rss_before))
+    metrics = {
+        "train_seconds": seconds,
+        "loss_first": outcome.losses[0] if outcome.losses else None,
+        "loss_last": outcome.losses[-1] if outcome.losses else None,
+        "loss_mean": sum(outcome.losses) / len(outcome.losses) if outcome.losses else None,
+        "steps": outcome.steps,
+        "peak_memory_bytes": int(peak),
+        "peak_memory_kind": "cuda_allocator" if use_cuda else "rss_growth",
+        "untouched": sorted(outcome.untouched),
+        **{k: v for k, v in outcome.extra.items() if isinstance(v, (int, float, str, bool))},
+    }
+    return Result(round=task.round, device_id=task.device_id, task_id=task.task_id, spec_id=spec.id,
+                  weights=trained, num_samples=outcome.num_samples, metrics=metrics, model_id=task.model_id)

@@ -1,0 +1,162 @@
+"""Run configuration: a TOML file plus command-line overrides, validated into typed sections."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nestling.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class DataSection:
+    dataset: str = "digits"
+    root: str | None = None
+    partition: str = "iid"
+    alpha: float = 0.5
+    classes_per_client: int = 2
+    clients: int = 20
+    limit_train: int | None = None
+    limit_test: int | None = None
+    augment: bool | None = None  # None: the dataset's default (CIFAR crop+flip)
+
+
+@dataclass
+class ModelSection:
+    arch: str = "resnet20"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MethodSection:
+    name: str = "nefl-wd"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainSection:
+    fraction: float = 0.5
+    local_epochs: int = 1
+    local_steps: int | None = None
+    batch_size: int = 32
+    lr: float = 0.1
+    schedule: str = "step"
+    gamma: float = 0.1
+    milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+
+
+@dataclass
+class RunSection:
+    rounds: int = 15
+    seed: int = 0
+    device: str = "cpu"
+    workers: int = 0  # 0: as many worker processes as cores (one torch thread each); 1: in-process
+    eval_every: int = 5
+    eval_batch: int = 512
+    checkpoint_every: int = 1
+    over_selection: float = 1.0
+    quorum: float = 1.0
+    deadline_s: float | None = None
+
+
+@dataclass
+class SimConfig:
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    method: MethodSection = field(default_factory=MethodSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> "SimConfig":
+        checks = [
+            (self.run.rounds >= 1, "[run] rounds must be >= 1"),
+            (self.data.clients >= 1, "[data] clients must be >= 1"),
+            (0.0 < self.train.fraction <= 1.0, "[train] fraction must be in (0, 1]"),
+            (self.train.local_epochs >= 1, "[train] local_epochs must be >= 1"),
+            (self.train.batch_size >= 1, "[train] batch_size must be >= 1"),
+            (self.train.lr > 0, "[train] lr must be > 0"),
+            (self.run.workers >= 0, "[run] workers must be >= 0"),
+            (self.run.over_selection >= 1.0, "[run] over_selection must be >= 1"),
+            (0.0 < self.run.quorum <= 1.0, "[run] quorum must be in (0, 1]"),
+            (self.data.alpha > 0, "[data] alpha must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        return self
+
+
+SECTIONS = {f.name: f.type for f in fields(SimConfig)}
+_SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection, "method": MethodSection,
+                  "train": TrainSection}
+
+
+def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
+    if value is None or default is None:
+        return value
+    expected = type(default)
+    if expected is bool and not isinstance(value, bool):
+        raise ConfigError(f"[{section}] {key} must be true or false, got {value!r}")
+    if expected in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"[{section}] {key} must be a number, got {value!r}")
+    if expected is float and isinstance(value, int):
+        return float(value)
+    if expected in (int, float, str, list, dict) and not isinstance(value, expected):
+        raise ConfigError(f"[{section}] {key} must be {expected.__name__}, got {value!r}")
+    return value
+
+
+def config_from_dict(data: dict[str, Any]) -> SimConfig:
+    unknown = set(data) - set(_SECTION_TYPES)
+    if unknown:
+        raise ConfigError(f"unknown config sections {sorted(unknown)} (known: {', '.join(_SECTION_TYPES)})")
+    built: dict[str, Any] = {}
+    for name, cls in _SECTION_TYPES.items():
+        values = data.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table")
+        defaults = cls()
+        known = {f.name for f in fields(cls)}
+        if name == "method":
+            # Everything but `name` in [method] is a method option (validated by the strategy).
+            options = {k: v for k, v in values.items() if k not in ("name", "options")}
+            options.update(values.get("options", {}))
+            built[name] = MethodSection(name=str(values.get("name", defaults.name)), options=options)
+            continue
+        bad = set(values) - known
+        if bad:
+            raise ConfigError(f"[{name}] unknown keys {sorted(bad)} (known: {', '.join(sorted(known))})")
+        kwargs = {k: _coerce(name, k, v, getattr(defaults, k)) for k, v in values.items()}
+        built[name] = cls(**kwargs)
+    return SimConfig(**built).validate()
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> SimConfig:
+    """Read a TOML file (optional) and apply dotted overrides like {"train.lr": 0.05}."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        data.setdefault(section, {})[key] = value
+    return config_from_dict(data)

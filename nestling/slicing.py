@@ -1,0 +1,106 @@
+"""Map each submodel tensor to the index region of the global tensor it comes from (METHODS §1.1).
+
+Slicing is ordered (leading channels), so a submodel tensor of shape (a, b, ...) is exactly the
+global region [:a, :b, ...]: the regions come from the submodel's shapes, built once on the meta
+device and cached by spec id. Extraction and scatter are pure indexing.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from nestling.errors import SpecError
+from nestling.models.layers import SlimBatchNorm2d, SlimLayerNorm
+from nestling.models.zoo import build
+from nestling.spec import SubmodelSpec
+
+Region = tuple[slice, ...]
+
+
+@lru_cache(maxsize=512)
+def _shapes_and_roles(spec: SubmodelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    net = build(spec, device="meta")
+    shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    return shapes, _roles_of(net)
+
+
+def _roles_of(net: nn.Module) -> dict[str, str]:
+    roles: dict[str, str] = {}
+    for module_name, module in net.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        is_norm = isinstance(module, (SlimBatchNorm2d, SlimLayerNorm))
+        for name, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            key = prefix + name
+            if is_norm:
+                roles[key] = "norm"
+            elif name.startswith("step"):
+                roles[key] = "step"
+            else:
+                roles[key] = "weight"
+    return roles
+
+
+def shapes_for(spec: SubmodelSpec) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor in `build(spec).state_dict()`, without allocating it."""
+    return dict(_shapes_and_roles(spec)[0])
+
+
+def roles_for(spec: SubmodelSpec) -> dict[str, str]:
+    """Role of every tensor: 'norm' (BN/LN params and buffers), 'step' (step sizes) or 'weight'."""
+    return dict(_shapes_and_roles(spec)[1])
+
+
+def slices_for(spec: SubmodelSpec) -> dict[str, Region]:
+    """Region of the global tensor that each submodel tensor occupies."""
+    return {k: tuple(slice(0, n) for n in shape) for k, shape in _shapes_and_roles(spec)[0].items()}
+
+
+def check_compatible(global_state: dict[str, torch.Tensor], spec: SubmodelSpec) -> None:
+    """Raise SpecError unless every tensor of `spec` fits inside the global state."""
+    for key, shape in _shapes_and_roles(spec)[0].items():
+        if key not in global_state:
+            raise SpecError(f"submodel tensor '{key}' has no counterpart in the global model")
+        global_shape = tuple(global_state[key].shape)
+        if len(global_shape) != len(shape) or any(s > g for s, g in zip(shape, global_shape)):
+            raise SpecError(f"submodel tensor '{key}' {shape} does not fit in global {global_shape}")
+
+
+def extract(global_state: dict[str, torch.Tensor], spec: SubmodelSpec, *, keys: set[str] | None = None,
+            copy: bool = True) -> dict[str, torch.Tensor]:
+    """The submodel's weights out of the global state (a copy unless `copy=False`, then views)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, region in slices_for(spec).items():
+        if keys is not None and key not in keys:
+            continue
+        view = global_state[key][region]
+        out[key] = view.clone() if copy else view
+    return out
+
+
+def scatter(global_state: dict[str, torch.Tensor], sub_state: dict[str, torch.Tensor], spec: SubmodelSpec) -> None:
+    """Write a submodel's tensors back into their global regions, in place."""
+    regions = slices_for(spec)
+    for key, tensor in sub_state.items():
+        region = regions.get(key)
+        if region is None:
+            raise SpecError(f"tensor '{key}' is not part of submodel {spec.id}")
+        global_state[key][region].copy_(tensor)
+
+
+def check_result_tensors(sub_state: dict[str, torch.Tensor], spec: SubmodelSpec,
+                         reference: dict[str, torch.Tensor]) -> None:
+    """Validate an uploaded state against its spec: names, shapes, dtypes, finiteness (bad input never lands)."""
+    shapes = _shapes_and_roles(spec)[0]
+    unknown = sorted(set(sub_state) - set(shapes))
+    if unknown:
+        raise SpecError(f"result has tensors not in submodel {spec.id}: {unknown[:5]}")
+    for key, tensor in sub_state.items():
+        if tuple(tensor.shape) != shapes[key]:
+            raise SpecError(f"result tensor '{key}' has shape {tuple(tensor.shape)}, expected {shapes[key]}")
+        if tensor.dtype != reference[key].dtype:
+            raise SpecError(f"result tensor '{key}' has dtype {tensor.dtype}, expected {reference[key].dtype}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise SpecError(f"result tensor '{key}' contains NaN or Inf")

@@ -1,0 +1,87 @@
+"""Atomic round checkpoints: `round-000123/` with `global.safetensors` + `manifest.json` (temp dir + rename)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from nestling.errors import ConfigError
+
+CHECKPOINT_FORMAT = 1
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_checkpoint(root: Path, round_index: int, tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
+                    keep: int = 3) -> Path:
+    """Write round `round_index` so that a crash at any instant leaves either the old or the new checkpoint."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"round-{round_index:06d}"
+    tmp = root / f".round-{round_index:06d}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    weights = tmp / "global.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights))
+    body = {**manifest, "format": CHECKPOINT_FORMAT, "round": round_index, "weights_sha256": _sha256(weights)}
+    with (tmp / "manifest.json").open("w") as fh:
+        json.dump(body, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in sorted(root.glob("round-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """Newest checkpoint whose manifest and weights are complete and match their sha256."""
+    for candidate in sorted(root.glob("round-*"), reverse=True):
+        manifest = candidate / "manifest.json"
+        weights = candidate / "global.safetensors"
+        if not (manifest.is_file() and weights.is_file()):
+            continue
+        try:
+            body = json.loads(manifest.read_text())
+        except json.JSONDecodeError:
+            continue
+        if body.get("weights_sha256") == _sha256(weights):
+            return candidate
+    return None
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise ConfigError(f"checkpoint {path} has no manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"checkpoint {path} has format {manifest.get('format')}, expected {CHECKPOINT_FORMAT}")
+    return load_file(str(path / "global.safetensors")), manifest

@@ -1,0 +1,216 @@
+"""The one round loop: select → assign → dispatch → collect (quorum/deadline) → aggregate → evaluate → checkpoint.
+
+Clock- and transport-agnostic: the simulator drives it with an in-process transport and a virtual
+clock, a fleet with MQTT and the wall clock. No other round loop exists in Nestling.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nestling.errors import NestlingError
+from nestling.messages import Result, Task
+from server.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from server.clock import Clock
+from server.evaluation import EvalResult, Evaluator
+from server.strategies.base import DeviceInfo, Strategy
+from server.transport import Transport
+
+log = logging.getLogger("nestling.coordinator")
+
+
+@dataclass
+class RoundPolicy:
+    """How rounds are run: participation, over-selection, quorum, deadline, evaluation and checkpoints."""
+
+    rounds: int
+    fraction: float = 0.1
+    over_selection: float = 1.0  # fleets use 1.3: dispatch to 30% more devices than the round needs
+    quorum: float = 1.0  # fraction of the needed results below which a round is abandoned
+    deadline_s: float | None = None
+    eval_every: int = 1
+    checkpoint_every: int = 1
+    seed: int = 0
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    wall_seconds: float
+    collect_seconds: float
+    virtual_time: float
+    selected: int
+    accepted: int
+    aggregated: bool
+    bytes_down: int
+    bytes_up: int
+    counters: dict[str, int] = field(default_factory=dict)
+    submodels: list[dict[str, Any]] = field(default_factory=list)
+    train_loss: float | None = None
+
+
+def tensor_bytes(tensors: dict) -> int:
+    return int(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+class Coordinator:
+    """Drives a Strategy through rounds over any Transport, reading any Clock."""
+
+    def __init__(self, strategy: Strategy, transport: Transport, clock: Clock, evaluator: Evaluator | None,
+                 policy: RoundPolicy, out_dir: Path | None = None,
+                 on_round: Callable[[RoundRecord], None] | None = None) -> None:
+        self.strategy = strategy
+        self.transport = transport
+        self.clock = clock
+        self.evaluator = evaluator
+        self.policy = policy
+        self.out_dir = out_dir
+        self.on_round = on_round
+        self.start_round = 0
+        self.totals: Counter[str] = Counter()
+        self.last_eval: list[EvalResult] = []
+        self.seen_tasks: set[str] = set()
+
+    # -- selection ------------------------------------------------------------------------------
+    def needed(self) -> int:
+        return max(1, math.floor(self.policy.fraction * self.strategy.ctx.num_clients))
+
+    def select(self, round_index: int, available: list[DeviceInfo]) -> list[DeviceInfo]:
+        """Uniform without replacement, seeded by (seed, round) so a resumed run picks the same devices."""
+        pool = sorted(available, key=lambda d: d.device_id)
+        count = min(len(pool), math.ceil(self.needed() * self.policy.over_selection))
+        rng = np.random.default_rng([self.policy.seed, round_index, 0x5E1EC7])
+        picked = rng.choice(len(pool), size=count, replace=False) if count else []
+        return [pool[i] for i in sorted(int(p) for p in picked)]
+
+    # -- one round -------------------------------------------------------------------------------
+    def run_round(self, round_index: int) -> RoundRecord:
+        started = time.perf_counter()
+        counters: Counter[str] = Counter()
+        selected = self.select(round_index, self.transport.devices())
+        tasks = self.strategy.assign(round_index, selected)
+        self.transport.dispatch(list(tasks.values()))
+        accepted, collect_seconds = self._collect(round_index, tasks, counters)
+        self.transport.cancel(round_index)
+        quorum = max(1, math.ceil(self.policy.quorum * min(self.needed(), len(tasks))))
+        aggregated = len(accepted) >= quorum
+        if aggregated:
+            self.strategy.aggregate(round_index, accepted)
+        else:
+            counters["rounds_below_quorum"] += 1
+            log.warning("round %d: %d results < quorum %d; global model unchanged", round_index, len(accepted), quorum)
+        record = RoundRecord(
+            round=round_index, wall_seconds=0.0, collect_seconds=collect_seconds, virtual_time=self.clock.now(),
+            selected=len(selected), accepted=len(accepted), aggregated=aggregated,
+            bytes_down=sum(tensor_bytes(t.weights) for t in tasks.values()),
+            bytes_up=sum(tensor_bytes(r.weights) for _, r in accepted), counters=dict(counters),
+            train_loss=_mean([r.metrics.get("loss_mean") for _, r in accepted]))
+        if self._is_eval_round(round_index):
+            self.last_eval = self.evaluator.evaluate_all(self.strategy.eval_targets()) if self.evaluator else []
+            record.submodels = [asdict(e) for e in self.last_eval]
+        record.wall_seconds = time.perf_counter() - started
+        self.totals.update(counters)
+        self._persist(round_index, record)
+        if self.on_round:
+            self.on_round(record)
+        return record
+
+    def _collect(self, round_index: int, tasks: dict[str, Task],
+                 counters: Counter[str]) -> tuple[list[tuple[Task, Result]], float]:
+        want = min(self.needed(), len(tasks))
+        deadline = self.clock.now() + (self.policy.deadline_s if self.policy.deadline_s is not None else math.inf)
+        by_task = {t.task_id: t for t in tasks.values()}
+        accepted: list[tuple[Task, Result]] = []
+        spent = 0.0
+        while len(accepted) < want and self.clock.now() < deadline:
+            t0 = time.perf_counter()
+            delivery = self.transport.wait(deadline, want - len(accepted))
+            spent += time.perf_counter() - t0
+            counters["dropouts"] += len(delivery.dropped)
+            for _, reason in delivery.rejected:
+                counters[f"rejected_{reason}"] += 1
+            for result in delivery.results:
+                verdict = self._admit(round_index, by_task, result)
+                if verdict:
+                    counters[verdict] += 1
+                    continue
+                if len(accepted) >= want:
+                    counters["late"] += 1
+                    continue
+                accepted.append((by_task[result.task_id], result))
+            if not delivery.results and self.transport.idle():
+                break
+        return accepted, spent
+
+    def _admit(self, round_index: int, by_task: dict[str, Task], result: Result) -> str | None:
+        """None when the result may be applied, else the counter naming why it was refused."""
+        if result.round != round_index:
+            return "stale"
+        if result.task_id in self.seen_tasks:
+            return "duplicate"
+        task = by_task.get(result.task_id)
+        if task is None or task.device_id != result.device_id:
+            return "unknown_task"
+        try:
+            self.strategy.validate(task, result)
+        except NestlingError as exc:
+            log.warning("round %d: rejected result of %s: %s", round_index, result.device_id, exc)
+            return "rejected_invalid"
+        self.seen_tasks.add(result.task_id)
+        return None
+
+    def _is_eval_round(self, round_index: int) -> bool:
+        last = round_index == self.policy.rounds - 1
+        return last or (self.policy.eval_every > 0 and (round_index + 1) % self.policy.eval_every == 0)
+
+    # -- persistence -----------------------------------------------------------------------------
+    def _persist(self, round_index: int, record: RoundRecord) -> None:
+        if self.out_dir is None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with (self.out_dir / "metrics.jsonl").open("a") as fh:
+            fh.write(json.dumps(asdict(record)) + "\n")
+        last = round_index == self.policy.rounds - 1
+        if last or (self.policy.checkpoint_every > 0 and (round_index + 1) % self.policy.checkpoint_every == 0):
+            manifest = {"method": self.strategy.name, "strategy": self.strategy.state_meta(),
+                        "seed": self.policy.seed, "totals": dict(self.totals),
+                        "model": self.strategy.model.to_dict()}
+            save_checkpoint(self.out_dir / "checkpoints", round_index, self.strategy.state_tensors(), manifest)
+
+    def resume(self) -> int:
+        """Continue after the newest complete checkpoint; metrics of later, unfinished rounds are dropped."""
+        if self.out_dir is None:
+            raise NestlingError("--resume needs an output directory")
+        path = latest_checkpoint(self.out_dir / "checkpoints")
+        if path is None:
+            raise NestlingError(f"no complete checkpoint under {self.out_dir / 'checkpoints'}")
+        tensors, manifest = load_checkpoint(path)
+        if manifest.get("method") != self.strategy.name:
+            raise NestlingError(f"checkpoint is for method '{manifest.get('method')}', not '{self.strategy.name}'")
+        self.strategy.load_state(tensors, manifest.get("strategy", {}))
+        self.totals.update(manifest.get("totals", {}))
+        self.start_round = int(manifest["round"]) + 1
+        metrics = self.out_dir / "metrics.jsonl"
+        if metrics.exists():
+            kept = [line for line in metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["round"] < self.start_round]
+            metrics.write_text("".join(line + "\n" for line in kept))
+        return self.start_round
+
+    def run(self) -> list[RoundRecord]:
+        return [self.run_round(r) for r in range(self.start_round, self.policy.rounds)]
+
+
+def _mean(values: list[Any]) -> float | None:
+    numbers = [float(v) for v in values if v is not None]
+    return sum(numbers) / len(numbers) if numbers else None

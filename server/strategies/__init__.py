@@ -1,0 +1,34 @@
+"""Strategies by name: assignment + aggregation + the local procedure each device runs."""
+
+from __future__ import annotations
+
+from nestling.errors import ConfigError
+from server.strategies.base import DeviceInfo, EvalTarget, Strategy, StrategyContext
+from server.strategies.depthfl import DepthFL
+from server.strategies.fedavg import FedAvg
+from server.strategies.fjord import FjORD
+from server.strategies.heterofl import HeteroFL
+from server.strategies.nefl import NeFLD, NeFLW, NeFLWD
+from server.strategies.scalefl import ScaleFL
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (FedAvg, HeteroFL, FjORD, DepthFL, ScaleFL, NeFLW, NeFLD, NeFLWD)
+}
+
+
+def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    """Add a strategy class (FeDepth, FedTrans, ... register themselves here)."""
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+def create_strategy(method: str, ctx: StrategyContext) -> Strategy:
+    try:
+        cls = STRATEGIES[method]
+    except KeyError:
+        raise ConfigError(f"[method] unknown method '{method}' (known: {', '.join(sorted(STRATEGIES))})") from None
+    return cls(ctx)
+
+
+__all__ = ["DeviceInfo", "EvalTarget", "STRATEGIES", "Strategy", "StrategyContext", "create_strategy",
+           "register_strategy"]

@@ -1,0 +1,112 @@
+"""NeFL (Kang et al.): nested width/depth submodels, learnable step sizes, inconsistent BN/steps, NeFedAvg (METHODS §2)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from nestling.aggregation import Contribution, masked_mean
+from nestling.errors import ConfigError
+from nestling.messages import Result, Task
+from nestling.models.config import ModelConfig
+from nestling.slicing import extract, roles_for, slices_for
+from nestling.spec import SubmodelSpec
+from server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from server.strategies.nefl_presets import nefl_family
+
+
+class NeFL(Strategy):
+    """Consistent tensors (convs, classifier weight and bias) live once, nested; every submodel k owns a
+    full copy of its BN tensors and step sizes, averaged only among the clients that trained k."""
+
+    name = "nefl-wd"
+    mode: ClassVar[str] = "wd"
+    option_defaults: ClassVar[dict[str, Any]] = {"flex": 2, "learnable_step": True}
+
+    def make_model_config(self) -> ModelConfig:
+        return self.ctx.model_config(learnable_step=bool(self.options["learnable_step"]))
+
+    def setup(self) -> None:
+        family = nefl_family(self.model.arch, self.mode, self.model.extra)
+        self.specs = [SubmodelSpec(self.model, width=rho, blocks=kept) for rho, kept in family]
+        self.index_of = {s.id: k for k, s in enumerate(self.specs)}
+        self.stores: list[dict[str, torch.Tensor]] = []
+        for spec in self.specs:
+            roles = roles_for(spec)
+            own = {k for k, r in roles.items() if r != "weight"}
+            self.stores.append(extract(self.global_state, spec, keys=own))
+        self.consistent = {k for k, r in roles_for(self.full_spec).items() if r == "weight"}
+
+    @property
+    def num_submodels(self) -> int:
+        return len(self.specs)
+
+    def tier_of(self, device: DeviceInfo) -> int:
+        """Contiguous equal tiers by client index (METHODS §2.a.5), or the device's profile tier."""
+        if device.profile and "tier" in device.profile:
+            return min(int(device.profile["tier"]), self.num_submodels - 1)
+        per_tier = max(1, self.ctx.num_clients / self.num_submodels)
+        return min(int(device.index // per_tier), self.num_submodels - 1)
+
+    def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
+        tier, flex = self.tier_of(device), int(self.options["flex"])
+        low, high = max(0, tier - flex), min(self.num_submodels - 1, tier + flex)
+        rng = self.round_rng(round_index, salt=device.index + 1)
+        return self.specs[int(rng.integers(low, high + 1))]
+
+    def task_weights(self, spec: SubmodelSpec) -> dict[str, torch.Tensor]:
+        k = self.index_of[spec.id]
+        weights = extract(self.global_state, spec, keys=self.consistent)
+        weights.update({key: value.clone() for key, value in self.stores[k].items()})
+        return weights
+
+    def aggregate(self, round_index: int, accepted: list[tuple[Task, Result]]) -> None:
+        # NeFedAvg on consistent tensors: per-element counts, uniform weights, depth-aware (§2.a.6).
+        self.global_state.update(masked_mean(self.global_state, self.contributions(accepted, self.consistent)))
+        # Inconsistent tensors: mean over the uploads of each submodel only; unsampled ones unchanged.
+        for k, spec in enumerate(self.specs):
+            mine = [(t, r) for t, r in accepted if SubmodelSpec.from_dict(t.spec).id == spec.id]
+            if not mine:
+                continue
+            regions = slices_for(spec)
+            contributions = [Contribution({key: r.weights[key] for key in self.stores[k]}, regions) for _, r in mine]
+            self.stores[k].update(masked_mean(self.stores[k], contributions))
+
+    def eval_targets(self) -> list[EvalTarget]:
+        return [EvalTarget(f"k{k + 1}", spec, self.task_weights(spec)) for k, spec in enumerate(self.specs)]
+
+    def global_export_state(self) -> dict[str, torch.Tensor]:
+        """Consistent weights + the largest submodel's BN and steps (NeFL's "Global BN embedding")."""
+        state = dict(self.global_state)
+        state.update(self.stores[-1])
+        return state
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = super().state_tensors()
+        for k, store in enumerate(self.stores):
+            tensors.update({f"store{k}/{key}": value for key, value in store.items()})
+        return tensors
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        super().load_state(tensors, meta)
+        for k, store in enumerate(self.stores):
+            for key in store:
+                if f"store{k}/{key}" not in tensors:
+                    raise ConfigError(f"checkpoint lacks NeFL store {k} tensor '{key}'")
+                store[key] = tensors[f"store{k}/{key}"].clone()
+
+
+class NeFLW(NeFL):
+    name = "nefl-w"
+    mode = "w"
+
+
+class NeFLD(NeFL):
+    name = "nefl-d"
+    mode = "d"
+
+
+class NeFLWD(NeFL):
+    name = "nefl-wd"
+    mode = "wd"

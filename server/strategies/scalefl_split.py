@@ -1,0 +1,78 @@
+"""ScaleFL's 2-D split search: the most balanced (s_w, s_d) meeting each level's cost (METHODS §6.a.2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from nestling.models.config import ModelConfig
+from nestling.slicing import shapes_for
+from nestling.spec import SubmodelSpec
+
+
+@dataclass(frozen=True)
+class Level:
+    """One complexity level: width ratio, depth (blocks kept) and the relative cost reached."""
+
+    width: float
+    depth: int
+    cost_ratio: float
+
+
+@lru_cache(maxsize=4096)
+def _group_params(probe: ModelConfig, width: float) -> tuple[float, tuple[float, ...], tuple[float, ...], float]:
+    """Parameters of stem, of each block, of an exit after each block, and of the head at `width`."""
+    shapes = shapes_for(SubmodelSpec(probe, width=width, exits=probe.exit_points))
+    blocks = max(probe.exit_points) + 1
+    block_params, exit_params = np.zeros(blocks), np.zeros(blocks)
+    stem = head = 0.0
+    for key, shape in shapes.items():
+        n = float(np.prod(shape)) if shape else 1.0
+        part, _, rest = key.partition(".")
+        if part == "blocks":
+            block_params[int(rest.split(".")[0])] += n
+        elif part == "exits":
+            exit_params[int(rest.split(".")[0])] += n
+        elif part == "stem":
+            stem += n
+        else:
+            head += n
+    return stem, tuple(block_params), tuple(exit_params), head
+
+
+def search_levels(model: ModelConfig, fractions: tuple[float, ...], *, num_blocks: int, step: float = 0.01,
+                  tolerance: float = 0.05) -> list[Level]:
+    """Levels smallest first; the last fraction must be 1 (the full model). Cost = #params incl. kept exits."""
+    probe = model.with_(exit_points=tuple(range(num_blocks)))
+    widths = [round(step * i, 4) for i in range(1, int(round(1 / step)) + 1)]
+    stem, blocks, exits, head = _group_params(probe, 1.0)
+    levels: list[Level] = []
+    chosen_exits: list[int] = []
+    for fraction in fractions[:-1]:
+        best: tuple[float, float, Level] | None = None
+        fallback: tuple[float, Level] | None = None
+        for width in widths:
+            w_stem, w_blocks, w_exits, _ = _group_params(probe, width)
+            prefix = np.cumsum(w_blocks)
+            kept_exit_cost = sum(w_exits[e] for e in chosen_exits)
+            for depth_ratio in widths:
+                depth = int(np.floor(depth_ratio * num_blocks + 1e-9))
+                if depth < 1 or (chosen_exits and depth - 1 <= chosen_exits[-1]):
+                    continue
+                cost = w_stem + prefix[depth - 1] + kept_exit_cost + w_exits[depth - 1]
+                full_cost = stem + sum(blocks) + head + sum(exits[e] for e in [*chosen_exits, depth - 1])
+                error = abs(cost / (fraction * full_cost) - 1)
+                level = Level(width, depth, cost / full_cost)
+                if error <= tolerance:
+                    key = (abs(width - depth_ratio), error)
+                    if best is None or key < best[:2]:
+                        best = (*key, level)
+                elif fallback is None or error < fallback[0]:
+                    fallback = (error, level)
+        picked = best[2] if best is not None else fallback[1]  # type: ignore[index]
+        levels.append(picked)
+        chosen_exits.append(picked.depth - 1)
+    levels.append(Level(1.0, num_blocks, 1.0))
+    return levels

@@ -1,0 +1,50 @@
+"""The simulated fleet's data: one dataset, partitioned per device, rebuilt identically in every worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edge.procedures import ClientData
+from nestling.data import DatasetBundle, load_dataset, make_partition
+
+
+def device_id(index: int) -> str:
+    return f"dev-{index:05d}"
+
+
+def device_index(device: str) -> int:
+    return int(device.rsplit("-", 1)[1])
+
+
+@dataclass
+class FleetData:
+    bundle: DatasetBundle
+    parts: list[np.ndarray]
+    augment: str
+
+    def client(self, device: str) -> ClientData:
+        idx = self.parts[device_index(device)]
+        return ClientData(self.bundle.train.x[idx], self.bundle.train.y[idx], self.augment)
+
+
+def load_fleet_data(dataset: str, root: str | None, seed: int, partition: str, clients: int,
+                    partition_options: dict[str, Any], limit_train: int | None = None, limit_test: int | None = None,
+                    augment: bool | None = None) -> FleetData:
+    """Deterministic in its arguments, so every worker process rebuilds exactly the same partition."""
+    opts: dict[str, Any] = {}
+    if limit_train is not None:
+        opts["limit_train"] = limit_train
+    if limit_test is not None:
+        opts["limit_test"] = limit_test
+    bundle = load_dataset(dataset, root, seed=seed, **opts)
+    parts = make_partition(partition, bundle.train.y.numpy(), clients, seed, **partition_options)
+    kind = bundle.augment if augment is None or augment else "none"
+    return FleetData(bundle, parts, kind)
+
+
+def client_provider(**kwargs: Any):
+    """Factory used by worker processes: returns device id → ClientData."""
+    return load_fleet_data(**kwargs).client
