@@ -1,0 +1,166 @@
+"""The `nestling` command: one entry point, subcommands imported lazily (so `infer` never loads torch)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nestling.errors import NestlingError
+
+# subcommand → (module, function taking argv); modules are imported only when their command runs.
+EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "broker": ("server.broker", "broker_main", "run the embedded MQTT broker"),
+    "broker-config": ("server.broker_config", "broker_config_main", "write mosquitto config, ACLs, passwords, certs"),
+    "server": ("server.fleet", "server_main", "coordinate a fleet over MQTT"),
+    "agent": ("edge.agent", "agent_main", "run the board agent"),
+    "profile": ("profiler.cli", "profile_main", "measure per-block latency and memory on this machine"),
+    "plan": ("profiler.cli", "plan_main", "turn device budgets into submodels / depth decompositions"),
+    "export": ("export.cli", "export_main", "export a trained submodel as an ONNX / TensorRT bundle"),
+    "infer": ("export.infer", "infer_main", "run an exported bundle with onnxruntime + numpy only"),
+    "traces": ("simulator.traces_cli", "traces_main", "generate or import device traces"),
+}
+
+SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--method", "method.name", str, "fedavg, heterofl, fjord, depthfl, scalefl, nefl-w, nefl-d, nefl-wd, ..."),
+    ("--model", "model.arch", str, "tinycnn, resnet20/56/110, preresnet20, resnet18/34, vit"),
+    ("--dataset", "data.dataset", str, "digits (default, no download), synthetic, fashion-mnist, cifar10, cifar100"),
+    ("--data-root", "data.root", str, "folder holding the dataset files"),
+    ("--partition", "data.partition", str, "iid, dirichlet, balanced-dirichlet, shards, unbalanced, scalefl"),
+    ("--alpha", "data.alpha", float, "Dirichlet concentration"),
+    ("--clients", "data.clients", int, "number of clients"),
+    ("--limit-train", "data.limit_train", int, "use a stratified subset of the training set"),
+    ("--limit-test", "data.limit_test", int, "use a stratified subset of the test set"),
+    ("--fraction", "train.fraction", float, "clients per round / clients"),
+    ("--rounds", "run.rounds", int, "communication rounds"),
+    ("--local-epochs", "train.local_epochs", int, "local epochs per round"),
+    ("--local-steps", "train.local_steps", int, "local SGD steps per round (overrides epochs)"),
+    ("--batch", "train.batch_size", int, "local batch size"),
+    ("--lr", "train.lr", float, "initial learning rate"),
+    ("--lr-schedule", "train.schedule", str, "constant, step, cosine, exponential"),
+    ("--momentum", "train.momentum", float, "SGD momentum"),
+    ("--weight-decay", "train.weight_decay", float, "SGD weight decay"),
+    ("--seed", "run.seed", int, "seed of partitions, init, selection and local training"),
+    ("--device", "run.device", str, "cpu or cuda[:i]"),
+    ("--workers", "run.workers", int, "worker processes (0 = one per core, 1 = in-process)"),
+    ("--eval-every", "run.eval_every", int, "evaluate every N rounds (and at the end)"),
+]
+
+
+def _parse_value(raw: str) -> Any:
+    import json
+
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def simulate_parser(prog: str = "nestling simulate") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Run a federated simulation in one process.")
+    parser.add_argument("--config", type=Path, help="TOML config file ([run] [data] [model] [method] [train])")
+    for flag, _, kind, help_text in SIMULATE_FLAGS:
+        parser.add_argument(flag, type=kind, help=help_text)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="any other config value, e.g. --set method.flex=1 (repeatable)")
+    parser.add_argument("--out", type=Path, help="output directory (metrics.jsonl, summary.json, accuracy.png)")
+    parser.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its newest checkpoint")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def simulate_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for flag, dotted, _, _ in SIMULATE_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            overrides[dotted] = value
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or "." not in key:
+            raise NestlingError(f"--set expects SECTION.KEY=VALUE, got '{item}'")
+        overrides[key] = _parse_value(raw)
+    return overrides
+
+
+def simulate_main(argv: list[str]) -> int:
+    from nestling.config import load_config
+    from nestling.progress import RoundProgress, print_submodel_table
+    from simulator.run import run_simulation
+
+    args = simulate_parser().parse_args(argv)
+    out = args.resume or args.out
+    config_path = args.config
+    if args.resume is not None and config_path is None and (args.resume / "config.toml").exists():
+        config_path = args.resume / "config.toml"
+    cfg = load_config(config_path, simulate_overrides(args))
+    out = out or Path("runs") / f"{cfg.method.name}-{cfg.model.arch}-{cfg.data.dataset}"
+    from nestling.config_io import write_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    if args.resume is None:
+        write_config(cfg, out / "config.toml")
+    with RoundProgress(cfg.run.rounds, enabled=not args.quiet, title=f"{cfg.method.name} · {cfg.model.arch}") as progress:
+        summary = run_simulation(cfg, out, resume=args.resume is not None, on_round=progress.update)
+    print_submodel_table(summary)
+    print(f"results in {out}")
+    return 0
+
+
+def demo_main(argv: list[str]) -> int:
+    """The main job on the embedded default: a fleet demo when available, else an in-process NeFL-WD run."""
+    module = importlib.util.find_spec("server.fleet_demo")
+    if module is not None:
+        return _run_external("server.fleet_demo", "demo_main", argv)
+    return simulate_main(["--method", "nefl-wd", "--model", "resnet20", "--dataset", "digits", "--clients", "10",
+                          "--fraction", "0.5", "--rounds", "10", "--eval-every", "5", "--out", "runs/demo", *argv])
+
+
+def _run_external(module: str, function: str, argv: list[str]) -> int:
+    try:
+        entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), function)
+    except ModuleNotFoundError as exc:
+        raise NestlingError(f"this command needs the module '{exc.name}', which is not installed") from None
+    return int(entry(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"simulate": "run a federated simulation in one process", "demo": "the embedded-default demo",
+                **{name: help_text for name, (_, _, help_text) in EXTERNAL_COMMANDS.items()}}
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: nestling COMMAND [options]\n\ncommands:")
+        for name, help_text in commands.items():
+            print(f"  {name:<14} {help_text}")
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from nestling import __version__
+
+        print(f"nestling {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if command == "simulate":
+            return simulate_main(rest)
+        if command == "demo":
+            return demo_main(rest)
+        if command in EXTERNAL_COMMANDS:
+            module, function, _ = EXTERNAL_COMMANDS[command]
+            return _run_external(module, function, rest)
+        print(f"error: unknown command '{command}' (known: {', '.join(commands)})", file=sys.stderr)
+        return 2
+    except NestlingError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Progress bars and result tables for long runs (rich)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class RoundProgress:
+    """A round counter with the latest accuracies; silent when disabled (CI logs, --quiet)."""
+
+    def __init__(self, rounds: int, *, enabled: bool = True, title: str = "rounds") -> None:
+        self.enabled = enabled
+        self.rounds = rounds
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+                                 disable=not enabled)
+        self.title = title
+        self.task_id: Any = None
+
+    def __enter__(self) -> "RoundProgress":
+        self.progress.__enter__()
+        self.task_id = self.progress.add_task(self.title, total=self.rounds, status="")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
+
+    def update(self, record: Any) -> None:
+        status = ""
+        if record.submodels:
+            accs = [s["accuracy"] for s in record.submodels]
+            status = f"worst {100 * min(accs):.1f}%  avg {100 * sum(accs) / len(accs):.1f}%"
+        elif record.train_loss is not None:
+            status = f"loss {record.train_loss:.3f}"
+        self.progress.update(self.task_id, completed=record.round + 1, status=status)
+
+
+def print_submodel_table(summary: dict[str, Any], console: Console | None = None) -> None:
+    """The per-submodel accuracy table every run ends with."""
+    console = console or Console()
+    table = Table(title=f"{summary['method']} · {summary['model']} · {summary['dataset']} · {summary['rounds']} rounds")
+    for column in ("submodel", "id", "accuracy", "loss", "parameters", "MACs"):
+        table.add_column(column, justify="right" if column not in ("submodel", "id") else "left")
+    for sub in summary["submodels"]:
+        table.add_row(sub["name"], sub["id"], f"{100 * sub['accuracy']:.2f}%", f"{sub['loss']:.3f}",
+                      f"{sub['parameters']:,}", f"{sub['macs']:,}")
+    console.print(table)
+    if summary.get("worst_accuracy") is not None:
+        console.print(f"worst {100 * summary['worst_accuracy']:.2f}%  avg {100 * summary['avg_accuracy']:.2f}%  "
+                      f"wall {summary['wall_seconds']:.1f}s  train {summary['train_seconds']:.1f}s")

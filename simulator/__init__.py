@@ -1,0 +1,1 @@
+"""Trace-replay simulation of a fleet on a workstation."""
