@@ -1,0 +1,1 @@
+"""Coordinator, strategies, transports and broker helpers."""
