@@ -48,6 +48,9 @@ SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--device", "run.device", str, "cpu or cuda[:i]"),
     ("--workers", "run.workers", int, "worker processes (0 = one per core, 1 = in-process)"),
     ("--eval-every", "run.eval_every", int, "evaluate every N rounds (and at the end)"),
+    ("--traces", "run.traces", str, "device trace file (.jsonl/.csv): replay the fleet on a virtual clock"),
+    ("--backend", "run.backend", str, "auto, inprocess, pool or ray (pip install nestling[ray])"),
+    ("--batching", "run.batching", str, "train same-spec clients together: off, on, auto (only when faster)"),
 ]
 
 

@@ -43,7 +43,7 @@ class MethodSection:
 @dataclass
 class TrainSection:
     fraction: float = 0.5
-    local_epochs: int = 1
+    local_epochs: int = 5  # NeFL's recipe (E = 5, B = 32, SGD lr 0.1, METHODS §2.c)
     local_steps: int | None = None
     batch_size: int = 32
     lr: float = 0.1
@@ -67,6 +67,13 @@ class RunSection:
     over_selection: float = 1.0
     quorum: float = 1.0
     deadline_s: float | None = None
+    traces: str | None = None  # device trace file: replay on a virtual clock (docs/simulator.md)
+    backend: str = "auto"  # auto (pool when workers > 1), inprocess, pool, ray
+    batching: str = "off"  # train same-spec clients of a round together: off, on, auto (only when faster)
+
+
+BACKENDS = ("auto", "inprocess", "pool", "ray")
+BATCHING = ("off", "on", "auto")
 
 
 @dataclass
@@ -92,6 +99,8 @@ class SimConfig:
             (self.run.over_selection >= 1.0, "[run] over_selection must be >= 1"),
             (0.0 < self.run.quorum <= 1.0, "[run] quorum must be in (0, 1]"),
             (self.data.alpha > 0, "[data] alpha must be > 0"),
+            (self.run.backend in BACKENDS, f"[run] backend must be one of {', '.join(BACKENDS)}"),
+            (self.run.batching in BATCHING, f"[run] batching must be one of {', '.join(BATCHING)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -104,9 +113,17 @@ _SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection,
                   "train": TrainSection}
 
 
-def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
-    if value is None or default is None:
+# Optional fields default to None; check a given value against the declared type instead.
+_OPTIONAL_SAMPLES: dict[str, Any] = {"bool | None": False, "int | None": 0, "float | None": 0.0, "str | None": ""}
+
+
+def _coerce(section: str, key: str, value: Any, default: Any, annotation: str = "") -> Any:
+    if value is None:
         return value
+    if default is None:
+        default = _OPTIONAL_SAMPLES.get(annotation)
+        if default is None:
+            return value
     expected = type(default)
     if expected is bool and not isinstance(value, bool):
         raise ConfigError(f"[{section}] {key} must be true or false, got {value!r}")
@@ -139,7 +156,8 @@ def config_from_dict(data: dict[str, Any]) -> SimConfig:
         bad = set(values) - known
         if bad:
             raise ConfigError(f"[{name}] unknown keys {sorted(bad)} (known: {', '.join(sorted(known))})")
-        kwargs = {k: _coerce(name, k, v, getattr(defaults, k)) for k, v in values.items()}
+        annotations = {f.name: str(f.type) for f in fields(cls)}
+        kwargs = {k: _coerce(name, k, v, getattr(defaults, k), annotations[k]) for k, v in values.items()}
         built[name] = cls(**kwargs)
     return SimConfig(**built).validate()
 

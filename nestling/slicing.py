@@ -31,11 +31,12 @@ def _roles_of(net: nn.Module) -> dict[str, str]:
     roles: dict[str, str] = {}
     for module_name, module in net.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        is_norm = isinstance(module, (SlimBatchNorm2d, SlimLayerNorm))
         for name, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             key = prefix + name
-            if is_norm:
+            if isinstance(module, SlimBatchNorm2d):
                 roles[key] = "norm"
+            elif isinstance(module, SlimLayerNorm):
+                roles[key] = "layer_norm"
             elif name.startswith("step"):
                 roles[key] = "step"
             else:
@@ -49,7 +50,7 @@ def shapes_for(spec: SubmodelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def roles_for(spec: SubmodelSpec) -> dict[str, str]:
-    """Role of every tensor: 'norm' (BN/LN params and buffers), 'step' (step sizes) or 'weight'."""
+    """Role of every tensor: 'norm' (BN params and buffers), 'layer_norm', 'step' (step sizes) or 'weight'."""
     return dict(_shapes_and_roles(spec)[1])
 
 

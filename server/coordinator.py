@@ -54,6 +54,7 @@ class RoundRecord:
     aggregated: bool
     bytes_down: int
     bytes_up: int
+    local_train_seconds: float = 0.0  # Σ of the training time devices reported (compute-seconds, all workers)
     counters: dict[str, int] = field(default_factory=dict)
     submodels: list[dict[str, Any]] = field(default_factory=list)
     train_loss: float | None = None
@@ -114,6 +115,7 @@ class Coordinator:
             selected=len(selected), accepted=len(accepted), aggregated=aggregated,
             bytes_down=sum(tensor_bytes(t.weights) for t in tasks.values()),
             bytes_up=sum(tensor_bytes(r.weights) for _, r in accepted), counters=dict(counters),
+            local_train_seconds=sum(float(r.metrics.get("train_seconds", 0.0)) for _, r in accepted),
             train_loss=_mean([r.metrics.get("loss_mean") for _, r in accepted]))
         if self._is_eval_round(round_index):
             self.last_eval = self.evaluator.evaluate_all(self.strategy.eval_targets()) if self.evaluator else []
@@ -184,7 +186,7 @@ class Coordinator:
         if last or (self.policy.checkpoint_every > 0 and (round_index + 1) % self.policy.checkpoint_every == 0):
             manifest = {"method": self.strategy.name, "strategy": self.strategy.state_meta(),
                         "seed": self.policy.seed, "totals": dict(self.totals),
-                        "model": self.strategy.model.to_dict()}
+                        "model": self.strategy.model.to_dict(), "context": self.strategy.ctx.to_record()}
             save_checkpoint(self.out_dir / "checkpoints", round_index, self.strategy.state_tensors(), manifest)
 
     def resume(self) -> int:

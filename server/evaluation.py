@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nestling.models.cost import count_macs, count_parameters
-from nestling.models.layers import SlimBatchNorm2d, set_active_width
+from nestling.models.layers import Scaler, SlimBatchNorm2d, set_active_width
 from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
@@ -63,6 +63,11 @@ class Evaluator:
                 module.momentum = None
                 module.reset_running_stats()
         model.train()
+        for module in model.modules():
+            if isinstance(module, Scaler):
+                # Gather the statistics of the activations evaluation will see: a train-only Scaler is off
+                # there, so it must be off here too (else eval normalises x with the stats of x / r).
+                module.eval()
         for start in range(0, len(self.calibration), self.batch_size):
             model(self.calibration[start:start + self.batch_size].to(self.device))
 

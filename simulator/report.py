@@ -53,7 +53,10 @@ def summarise(records: list[dict[str, Any]], config: dict[str, Any], wall_second
     evaluated = [r for r in records if r.get("submodels")]
     final = evaluated[-1]["submodels"] if evaluated else []
     accuracies = [s["accuracy"] for s in final]
-    train_seconds = sum(r["collect_seconds"] for r in records)
+    # Local training = compute-seconds devices reported (summed over parallel workers); collect = wall time
+    # the coordinator waited for results. Everything else in wall_seconds is coordination overhead.
+    train_seconds = sum(r.get("local_train_seconds", 0.0) for r in records)
+    collect_seconds = sum(r["collect_seconds"] for r in records)
     return {
         "method": config["method"]["name"],
         "model": config["model"]["arch"],
@@ -63,6 +66,8 @@ def summarise(records: list[dict[str, Any]], config: dict[str, Any], wall_second
         "avg_accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
         "train_seconds": train_seconds,
         "wall_seconds": wall_seconds,
+        "collect_seconds": collect_seconds,
+        "overhead_seconds": wall_seconds - collect_seconds,
         "wall_over_train": wall_seconds / train_seconds if train_seconds else None,
         "virtual_seconds": records[-1]["virtual_time"] if records else 0.0,
         "bytes_down": sum(r["bytes_down"] for r in records),

@@ -51,7 +51,10 @@ def scalefl_loss(outputs: list[torch.Tensor], y: torch.Tensor, *, kd_active: boo
         term = F.cross_entropy(student, y)
         if kd_active and gamma > 0:
             t = temperature
-            kl = F.kl_div(F.log_softmax(student / t, dim=1), F.softmax(teacher / t, dim=1), reduction="mean")
+            # KLDivLoss 'mean' of the reference: over batch *and* classes, written out because torch's
+            # 'mean' is deprecated and will turn into 'batchmean'.
+            kl = F.kl_div(F.log_softmax(student / t, dim=1), F.softmax(teacher / t, dim=1),
+                          reduction="sum") / student.numel()
             term = term + gamma * t * t * kl
         loss = loss + w * term
     return loss

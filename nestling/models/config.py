@@ -10,7 +10,7 @@ from nestling.errors import ConfigError
 
 NORM_STATS = ("running", "batch", "per_width")
 SCALER_MODES = ("none", "train", "always")
-EXIT_KINDS = ("linear", "scalefl", "depthfl")
+EXIT_KINDS = ("linear", "scalefl", "depthfl", "fedepth")
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,19 @@ from nestling.models.context import BuildContext
 
 
 class PoolClassifier(nn.Module):
-    """[BN → ReLU →] global average pool → linear. Post-activation ResNets skip the norm."""
+    """[BN [→ ReLU] →] global average pool → linear. Post-activation ResNets skip the norm; FeDepth's
+    auxiliary heads (METHODS §3.a.8) skip the ReLU."""
 
-    def __init__(self, ctx: BuildContext, global_channels: int, *, with_norm: bool) -> None:
+    def __init__(self, ctx: BuildContext, global_channels: int, *, with_norm: bool, relu: bool = True) -> None:
         super().__init__()
         self.norm = ctx.norm(global_channels) if with_norm else None
+        self.relu = relu
         self.fc = ctx.classifier(global_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
-            x = F.relu(self.norm(x))
+            x = self.norm(x)
+            x = F.relu(x) if self.relu else x
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
@@ -96,4 +99,4 @@ def make_exit(ctx: BuildContext, global_channels: int, final_channels: int, *, p
         return ScaleFLExit(ctx, global_channels)
     if kind == "depthfl":
         return DepthFLExit(ctx, global_channels, final_channels)
-    return PoolClassifier(ctx, global_channels, with_norm=True)
+    return PoolClassifier(ctx, global_channels, with_norm=True, relu=kind != "fedepth")

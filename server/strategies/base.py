@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from nestling.aggregation import Contribution, masked_mean
-from nestling.errors import ConfigError
+from nestling.errors import ConfigError, SpecError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
@@ -59,10 +59,24 @@ class StrategyContext:
     local: dict[str, Any] = field(default_factory=dict)  # local_epochs, batch_size, momentum, weight_decay, ...
     options: dict[str, Any] = field(default_factory=dict)  # method-specific ([method] table)
     model_extra: dict[str, Any] = field(default_factory=dict)
+    dataset: str | None = None  # the run's dataset, recorded so exports know normalisation and class names
 
     def model_config(self, **overrides: Any) -> ModelConfig:
         return ModelConfig(arch=self.arch, num_classes=self.num_classes, in_channels=self.in_channels,
                            image_size=self.image_size, extra=dict(self.model_extra), **overrides)
+
+    def to_record(self) -> dict[str, Any]:
+        """JSON form stored in checkpoint manifests, enough to re-create the strategy (export, inspection)."""
+        return {"arch": self.arch, "num_classes": self.num_classes, "in_channels": self.in_channels,
+                "image_size": self.image_size, "num_clients": self.num_clients, "total_rounds": self.total_rounds,
+                "seed": self.seed, "local": dict(self.local), "options": dict(self.options),
+                "model_extra": dict(self.model_extra), "dataset": self.dataset}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "StrategyContext":
+        known = {"arch", "num_classes", "in_channels", "image_size", "num_clients", "total_rounds", "seed", "local",
+                 "options", "model_extra", "dataset"}
+        return cls(**{k: v for k, v in record.items() if k in known})
 
 
 class Strategy(ABC):
@@ -74,6 +88,8 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     procedure: ClassVar[str] = "sgd"
+    # ScaleFL uploads only tensors that received a gradient; every other method must upload its whole slice.
+    partial_uploads: ClassVar[bool] = False
     option_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, ctx: StrategyContext) -> None:
@@ -85,8 +101,9 @@ class Strategy(ABC):
         self.options = {**self.option_defaults, **ctx.options}
         self.model = self.make_model_config()
         self.full_spec = SubmodelSpec.full(self.model)
-        torch.manual_seed(ctx.seed)
-        self.global_state: dict[str, torch.Tensor] = build(self.full_spec).state_dict()
+        with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG stream
+            torch.manual_seed(ctx.seed)
+            self.global_state: dict[str, torch.Tensor] = build(self.full_spec).state_dict()
         self.setup()
 
     # -- what each method defines -------------------------------------------------------------
@@ -140,6 +157,12 @@ class Strategy(ABC):
         """Reject a result that does not match its task (names, shapes, dtypes, NaN/Inf)."""
         spec = SubmodelSpec.from_dict(task.spec)
         check_result_tensors(result.weights, spec, self.global_state)
+        if not self.partial_uploads:
+            missing = sorted(set(task.weights) - set(result.weights))
+            if missing:
+                raise SpecError(f"result of {result.device_id} lacks {len(missing)} tensors of its slice, e.g. {missing[:3]}")
+        if result.num_samples < 1:
+            raise SpecError(f"result of {result.device_id} reports {result.num_samples} training samples")
 
     def contributions(self, accepted: list[tuple[Task, Result]],
                       keys: set[str] | None = None) -> list[Contribution]:

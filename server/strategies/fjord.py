@@ -6,7 +6,8 @@ from typing import Any, ClassVar
 
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
-from nestling.spec import SubmodelSpec
+from nestling.spec import SubmodelSpec, width_from_param_fraction
+from server.strategies.nefl_presets import PARAM_FRACTIONS
 from server.strategies.base import DeviceInfo, EvalTarget, Strategy
 
 
@@ -18,7 +19,10 @@ class FjORD(Strategy):
 
     name = "fjord"
     procedure = "fjord"
-    option_defaults: ClassVar[dict[str, Any]] = {"widths": (0.2, 0.4, 0.6, 0.8, 1.0), "kd": False}
+    # Default widths: √γ for γ = 0.2 … 1, NeFL's equal-size comparison (METHODS §2.c: "FjORD with per-submodel
+    # BN"); FjORD's own P = (0.2, 0.4, 0.6, 0.8, 1.0) channel ratios are one option away.
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "widths": tuple(round(width_from_param_fraction(g), 6) for g in PARAM_FRACTIONS), "kd": False}
 
     def make_model_config(self) -> ModelConfig:
         widths = tuple(sorted(float(w) for w in self.options["widths"]))

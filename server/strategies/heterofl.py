@@ -9,7 +9,8 @@ import torch
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
-from nestling.spec import SubmodelSpec
+from nestling.spec import SubmodelSpec, width_from_param_fraction
+from server.strategies.nefl_presets import PARAM_FRACTIONS
 from server.strategies.base import DeviceInfo, EvalTarget, Strategy
 
 RATE_LETTERS = {"a": 1.0, "b": 0.5, "c": 0.25, "d": 0.125, "e": 0.0625}
@@ -31,14 +32,23 @@ class HeteroFL(Strategy):
     """`fix` mode: contiguous client blocks keep their rate; `dynamic`: rates re-drawn every round."""
 
     name = "heterofl"
-    option_defaults: ClassVar[dict[str, Any]] = {"mix": "a1-b1-c1-d1-e1", "mode": "fix", "masked_ce": False,
-                                                 "static_bn": True}
+    # Default rates: the channel ratios √γ of NeFL's comparison (γ = 0.2 … 1 parameter fractions, METHODS §2.c)
+    # so that methods are compared at equal submodel sizes; `mix = "a1-b1-c1-d1-e1"` gives HeteroFL's own
+    # 1 … 1/16 rates.
+    option_defaults: ClassVar[dict[str, Any]] = {"rates": tuple(width_from_param_fraction(g) for g in PARAM_FRACTIONS),
+                                                 "mix": None, "mode": "fix", "masked_ce": False, "static_bn": True}
 
     def make_model_config(self) -> ModelConfig:
         return self.ctx.model_config(norm_stats="batch", scaler="train")
 
     def setup(self) -> None:
-        self.mix = parse_rate_mix(str(self.options["mix"]))
+        if self.options["mix"] is not None:
+            self.mix = parse_rate_mix(str(self.options["mix"]))
+        else:
+            rates = [float(r) for r in self.options["rates"]]
+            if not rates or any(not 0 < r <= 1 for r in rates):
+                raise ConfigError(f"[method] HeteroFL rates must lie in (0, 1], got {rates}")
+            self.mix = [(r, 1 / len(rates)) for r in sorted(rates, reverse=True)]
         if self.options["mode"] not in ("fix", "dynamic"):
             raise ConfigError(f"[method] HeteroFL mode must be 'fix' or 'dynamic', got '{self.options['mode']}'")
         rates = sorted({rate for rate, _ in self.mix})

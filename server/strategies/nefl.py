@@ -10,6 +10,7 @@ from nestling.aggregation import Contribution, masked_mean
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
+from nestling.models.zoo import block_infos
 from nestling.slicing import extract, roles_for, slices_for
 from nestling.spec import SubmodelSpec
 from server.strategies.base import DeviceInfo, EvalTarget, Strategy
@@ -22,7 +23,10 @@ class NeFL(Strategy):
 
     name = "nefl-wd"
     mode: ClassVar[str] = "wd"
-    option_defaults: ClassVar[dict[str, Any]] = {"flex": 2, "learnable_step": True}
+    # shortcut_from_skipping (AMBIG-2): also aggregate a skipped stage-entry block's projection from the
+    # clients that skip the block (they do use it); off by default, as in the reference.
+    option_defaults: ClassVar[dict[str, Any]] = {"flex": 2, "learnable_step": True,
+                                                 "shortcut_from_skipping": False}
 
     def make_model_config(self) -> ModelConfig:
         return self.ctx.model_config(learnable_step=bool(self.options["learnable_step"]))
@@ -34,9 +38,10 @@ class NeFL(Strategy):
         self.stores: list[dict[str, torch.Tensor]] = []
         for spec in self.specs:
             roles = roles_for(spec)
-            own = {k for k, r in roles.items() if r != "weight"}
+            own = {k for k, r in roles.items() if r in ("norm", "step")}
             self.stores.append(extract(self.global_state, spec, keys=own))
-        self.consistent = {k for k, r in roles_for(self.full_spec).items() if r == "weight"}
+        # LayerNorms are consistent: the paper found that better than the code's per-submodel LN (AMBIG-3).
+        self.consistent = {k for k, r in roles_for(self.full_spec).items() if r in ("weight", "layer_norm")}
 
     @property
     def num_submodels(self) -> int:
@@ -61,9 +66,20 @@ class NeFL(Strategy):
         weights.update({key: value.clone() for key, value in self.stores[k].items()})
         return weights
 
+    def counted_keys(self, spec: SubmodelSpec) -> set[str]:
+        """Consistent tensors a client of `spec` counts for: none in blocks it skips (§2.a.6, AMBIG-2)."""
+        if spec.blocks is None or self.options["shortcut_from_skipping"]:
+            return self.consistent
+        skipped = tuple(f"blocks.{b}." for b in range(len(block_infos(spec))) if b not in spec.blocks)
+        return {k for k in self.consistent if not k.startswith(skipped)}
+
     def aggregate(self, round_index: int, accepted: list[tuple[Task, Result]]) -> None:
         # NeFedAvg on consistent tensors: per-element counts, uniform weights, depth-aware (§2.a.6).
-        self.global_state.update(masked_mean(self.global_state, self.contributions(accepted, self.consistent)))
+        contributions = []
+        for task, result in accepted:
+            keys = self.counted_keys(SubmodelSpec.from_dict(task.spec))
+            contributions += self.contributions([(task, result)], keys)
+        self.global_state.update(masked_mean(self.global_state, contributions))
         # Inconsistent tensors: mean over the uploads of each submodel only; unsampled ones unchanged.
         for k, spec in enumerate(self.specs):
             mine = [(t, r) for t, r in accepted if SubmodelSpec.from_dict(t.spec).id == spec.id]

@@ -10,7 +10,8 @@ from nestling.spec import width_from_param_fraction
 
 Family = list[tuple[float, tuple[int, ...] | None]]  # (channel ratio ρ, kept block indices or None = all)
 
-_W_GAMMAS = (0.2, 0.4, 0.6, 0.8, 1.0)
+PARAM_FRACTIONS = (0.2, 0.4, 0.6, 0.8, 1.0)  # γ of the five submodels in NeFL's main experiments
+_W_GAMMAS = PARAM_FRACTIONS
 
 
 def _stage_depths(arch: str, extra: dict | None = None) -> tuple[int, ...]:

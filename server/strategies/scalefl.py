@@ -23,6 +23,7 @@ class ScaleFL(Strategy):
 
     name = "scalefl"
     procedure = "scalefl-sd"
+    partial_uploads = True
     option_defaults: ClassVar[dict[str, Any]] = {"levels": (0.125, 0.25, 0.5, 1.0), "kd_gamma": 0.0,
                                                  "kd_temperature": 3.0, "tolerance": 0.05}
 

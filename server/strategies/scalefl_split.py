@@ -7,6 +7,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
 from nestling.slicing import shapes_for
 from nestling.spec import SubmodelSpec
@@ -71,6 +72,10 @@ def search_levels(model: ModelConfig, fractions: tuple[float, ...], *, num_block
                         best = (*key, level)
                 elif fallback is None or error < fallback[0]:
                     fallback = (error, level)
+        if best is None and fallback is None:
+            raise ConfigError(f"[method] ScaleFL level {len(levels) + 1} (cost {fraction:g}) has no split: "
+                              f"{model.arch} has too few blocks ({num_blocks}) for {len(fractions)} levels "
+                              "that each end at a later block")
         picked = best[2] if best is not None else fallback[1]  # type: ignore[index]
         levels.append(picked)
         chosen_exits.append(picked.depth - 1)
