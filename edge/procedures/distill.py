@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from edge.procedures.common import batches, make_optimizer, outputs_list, step
+from edge.procedures.feddyn import FedDynTerm
 from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.net import ScalableNet
 
@@ -67,12 +68,18 @@ def train_depthfl(model: ScalableNet, data: ClientData, hp: dict[str, Any], stor
     optimizer = make_optimizer(params, hp)
     weight = depthfl_kd_weight(int(hp.get("round", 0)), int(hp.get("kd_ramp_rounds", 300)))
     use_kd = bool(hp.get("kd", True))
+    alpha = float(hp.get("feddyn_alpha", 0.0))
+    dyn = FedDynTerm(model, store, alpha) if alpha > 0 else None
     model.train()
     losses: list[float] = []
     for x, y in batches(data, hp, generator):
         loss = depthfl_loss(outputs_list(model(x)), y, weight, use_kd)
-        step(optimizer, loss, params, hp)
         losses.append(float(loss.detach()))
+        if dyn is not None:
+            loss = loss + dyn.penalty()
+        step(optimizer, loss, params, hp)
+    if dyn is not None:
+        dyn.finish()
     return LocalOutcome(model, len(data), losses, len(losses), extra={"kd_weight": weight})
 
 

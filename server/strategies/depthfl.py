@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
+
+from nestling.aggregation import masked_mean
+from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.spec import SubmodelSpec
@@ -23,13 +27,16 @@ class DepthFL(Strategy):
 
     name = "depthfl"
     procedure = "depthfl-kd"
-    option_defaults: ClassVar[dict[str, Any]] = {"kd": True, "kd_ramp_rounds": 300, "exit_kind": "depthfl"}
+    # feddyn_alpha > 0 turns on FedDyn (the DepthFL reference uses 0.1; off by default here).
+    option_defaults: ClassVar[dict[str, Any]] = {"kd": True, "kd_ramp_rounds": 300, "exit_kind": "depthfl",
+                                                 "feddyn_alpha": 0.0}
 
     def make_model_config(self) -> ModelConfig:
         ends = stage_ends(self.ctx.arch, self.ctx.image_size, self.ctx.model_extra)
         return self.ctx.model_config(exit_points=tuple(e - 1 for e in ends[:-1]), exit_kind=str(self.options["exit_kind"]))
 
     def setup(self) -> None:
+        self.setup_feddyn()
         ends = stage_ends(self.model.arch, self.model.image_size, self.model.extra)
         self.specs: list[SubmodelSpec] = []
         for d, end in enumerate(ends, start=1):
@@ -43,8 +50,41 @@ class DepthFL(Strategy):
 
     def local_hparams(self, round_index: int, device: DeviceInfo, spec: SubmodelSpec) -> dict[str, Any]:
         hp = super().local_hparams(round_index, device, spec)
-        hp.update(kd=bool(self.options["kd"]), kd_ramp_rounds=int(self.options["kd_ramp_rounds"]))
+        hp.update(kd=bool(self.options["kd"]), kd_ramp_rounds=int(self.options["kd_ramp_rounds"]),
+                  feddyn_alpha=float(self.options["feddyn_alpha"]))
         return hp
+
+    def aggregate(self, round_index: int, accepted: list[tuple[Task, Result]]) -> None:
+        """Count-based mean; with FedDyn, the server state h corrects the mean of trainable tensors (§7.3)."""
+        alpha = float(self.options["feddyn_alpha"])
+        if alpha <= 0:
+            super().aggregate(round_index, accepted)
+            return
+        contributions = self.contributions(accepted)
+        averaged = masked_mean(self.global_state, contributions)
+        for key, mean in averaged.items():
+            if "running_" in key or not mean.is_floating_point():  # BN statistics: plain mean
+                self.global_state[key] = mean
+                continue
+            count = torch.zeros_like(mean)
+            for c in contributions:
+                if key in c.tensors:
+                    count[c.regions[key]] += 1.0
+            h = self.feddyn_h.setdefault(key, torch.zeros_like(mean))
+            h -= alpha * (count / self.ctx.num_clients) * (mean - self.global_state[key])
+            self.global_state[key] = mean - h / alpha
+
+    def setup_feddyn(self) -> None:
+        self.feddyn_h: dict[str, torch.Tensor] = {}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = super().state_tensors()
+        tensors.update({f"feddyn_h/{k}": v for k, v in self.feddyn_h.items()})
+        return tensors
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        super().load_state(tensors, meta)
+        self.feddyn_h = {k.split("/", 1)[1]: v.clone() for k, v in tensors.items() if k.startswith("feddyn_h/")}
 
     def eval_targets(self) -> list[EvalTarget]:
         return [EvalTarget(f"d{d}", spec, self.task_weights(spec), ensemble=True)
