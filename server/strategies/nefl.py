@@ -13,6 +13,7 @@ from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.slicing import extract, roles_for, slices_for
 from nestling.spec import SubmodelSpec
+from profiler.planner import device_memory_budget, member_for_budget
 from server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from server.strategies.nefl_presets import nefl_family
 
@@ -25,13 +26,17 @@ class NeFL(Strategy):
     mode: ClassVar[str] = "wd"
     # shortcut_from_skipping (AMBIG-2): also aggregate a skipped stage-entry block's projection from the
     # clients that skip the block (they do use it); off by default, as in the reference.
+    # step_init "one": every kept block starts at s = 1; "do" (NeFL-DO): a kept block followed by m skipped
+    # blocks of its stage starts at 1 + m (§2.a.1).
     option_defaults: ClassVar[dict[str, Any]] = {"flex": 2, "learnable_step": True,
-                                                 "shortcut_from_skipping": False}
+                                                 "shortcut_from_skipping": False, "step_init": "one"}
 
     def make_model_config(self) -> ModelConfig:
         return self.ctx.model_config(learnable_step=bool(self.options["learnable_step"]))
 
     def setup(self) -> None:
+        if self.options["step_init"] not in ("one", "do"):
+            raise ConfigError(f"[method] step_init must be 'one' or 'do', got '{self.options['step_init']}'")
         family = nefl_family(self.model.arch, self.mode, self.model.extra)
         self.specs = [SubmodelSpec(self.model, width=rho, blocks=kept) for rho, kept in family]
         self.index_of = {s.id: k for k, s in enumerate(self.specs)}
@@ -40,6 +45,9 @@ class NeFL(Strategy):
             roles = roles_for(spec)
             own = {k for k, r in roles.items() if r in ("norm", "step")}
             self.stores.append(extract(self.global_state, spec, keys=own))
+            if self.options["step_init"] == "do":
+                for block, value in do_initial_steps(spec).items():
+                    self.stores[-1][f"blocks.{block}.step"].fill_(value)
         # LayerNorms are consistent: the paper found that better than the code's per-submodel LN (AMBIG-3).
         self.consistent = {k for k, r in roles_for(self.full_spec).items() if r in ("weight", "layer_norm")}
 
@@ -48,7 +56,11 @@ class NeFL(Strategy):
         return len(self.specs)
 
     def tier_of(self, device: DeviceInfo) -> int:
-        """Contiguous equal tiers by client index (METHODS §2.a.5), or the device's profile tier."""
+        """Contiguous equal tiers by client index (METHODS §2.a.5), the device's profile tier, or the largest
+        submodel that fits the memory budget it registered (profiler.planner)."""
+        budget = device_memory_budget(device.memory_budget_bytes, device.profile)
+        if budget is not None:
+            return member_for_budget(self.specs, budget, int(self.ctx.local.get("batch_size", 32)))
         if device.profile and "tier" in device.profile:
             return min(int(device.profile["tier"]), self.num_submodels - 1)
         per_tier = max(1, self.ctx.num_clients / self.num_submodels)
@@ -56,7 +68,8 @@ class NeFL(Strategy):
 
     def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
         tier, flex = self.tier_of(device), int(self.options["flex"])
-        low, high = max(0, tier - flex), min(self.num_submodels - 1, tier + flex)
+        capped = device_memory_budget(device.memory_budget_bytes, device.profile) is not None  # never above the fit
+        low, high = max(0, tier - flex), tier if capped else min(self.num_submodels - 1, tier + flex)
         rng = self.round_rng(round_index, salt=device.index + 1)
         return self.specs[int(rng.integers(low, high + 1))]
 
@@ -111,6 +124,25 @@ class NeFL(Strategy):
                 if f"store{k}/{key}" not in tensors:
                     raise ConfigError(f"checkpoint lacks NeFL store {k} tensor '{key}'")
                 store[key] = tensors[f"store{k}/{key}"].clone()
+
+
+def do_initial_steps(spec: SubmodelSpec) -> dict[int, float]:
+    """NeFL-DO: each kept block's initial step = 1 + the number of skipped blocks after it in its stage."""
+    if spec.blocks is None:
+        return {}
+    infos = block_infos(spec)
+    kept = set(spec.blocks)
+    steps: dict[int, float] = {}
+    for info in infos:
+        if info.index not in kept:
+            continue
+        skipped_after = 0
+        for later in infos[info.index + 1:]:
+            if later.stage != info.stage or later.index in kept:
+                break
+            skipped_after += 1
+        steps[info.index] = 1.0 + skipped_after
+    return steps
 
 
 class NeFLW(NeFL):

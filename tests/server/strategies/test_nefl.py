@@ -293,3 +293,28 @@ def test_checkpoint_state_round_trips_consistent_weights_and_every_store(make_ct
     fresh.load_state(tensors, {})
     assert all(torch.equal(fresh.global_state[k], strategy.global_state[k]) for k in strategy.global_state)
     assert all(torch.equal(a[k], b[k]) for a, b in zip(fresh.stores, strategy.stores) for k in a)
+
+
+def test_nefl_do_initial_steps_count_the_skipped_blocks_after_each_kept_block() -> None:
+    """§2.a.1: stage mask 1,8,0,0,0,0,0,0,0 style — a kept block followed by m skipped blocks starts at 1 + m."""
+    from nestling.models.config import ModelConfig
+    from nestling.spec import SubmodelSpec
+    from server.strategies.nefl import do_initial_steps
+
+    # resnet56: three stages of nine blocks; keep blocks 0 and 1 of stage 1 only, the first of stages 2 and 3.
+    spec = SubmodelSpec(ModelConfig("resnet56"), blocks=(0, 1, 9, 18))
+    assert do_initial_steps(spec) == {0: 1.0, 1: 8.0, 9: 9.0, 18: 9.0}
+    assert do_initial_steps(SubmodelSpec(ModelConfig("resnet56"))) == {}
+
+
+def test_step_init_do_seeds_each_submodel_store() -> None:
+    from server.strategies import StrategyContext, create_strategy
+    from server.strategies.nefl import do_initial_steps
+
+    ctx = StrategyContext(arch="resnet56", num_classes=10, in_channels=3, image_size=32, num_clients=5,
+                          total_rounds=2, options={"step_init": "do"})
+    strategy = create_strategy("nefl-d", ctx)
+    for spec, store in zip(strategy.specs, strategy.stores):
+        for block, value in do_initial_steps(spec).items():
+            assert float(store[f"blocks.{block}.step"]) == value
+    assert any(v > 1 for spec in strategy.specs for v in do_initial_steps(spec).values())
