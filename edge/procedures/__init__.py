@@ -6,5 +6,6 @@ from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, get_
 from edge.procedures import plain as _plain  # noqa: F401,E402
 from edge.procedures import fjord as _fjord  # noqa: F401,E402
 from edge.procedures import distill as _distill  # noqa: F401,E402
+from edge.procedures import depthwise as _depthwise  # noqa: F401,E402
 
 __all__ = ["ClientData", "DeviceStore", "LocalOutcome", "get_procedure", "known_procedures", "register"]

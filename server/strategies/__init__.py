@@ -6,6 +6,7 @@ from nestling.errors import ConfigError
 from server.strategies.base import DeviceInfo, EvalTarget, Strategy, StrategyContext
 from server.strategies.depthfl import DepthFL
 from server.strategies.fedavg import FedAvg
+from server.strategies.fedepth import FeDepth, MFeDepth
 from server.strategies.fjord import FjORD
 from server.strategies.heterofl import HeteroFL
 from server.strategies.nefl import NeFLD, NeFLW, NeFLWD
@@ -20,6 +21,10 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     """Add a strategy class (FeDepth, FedTrans, ... register themselves here)."""
     STRATEGIES[cls.name] = cls
     return cls
+
+
+for _depthwise in (FeDepth, MFeDepth):
+    register_strategy(_depthwise)
 
 
 def create_strategy(method: str, ctx: StrategyContext) -> Strategy:

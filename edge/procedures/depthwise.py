@@ -1,0 +1,242 @@
+"""`fedepth`: depth-wise sequential training within a memory budget, partial training and mutual distillation (METHODS §3.a).
+
+Stage j trains its blocks plus the head (plus the stem in stage 0) for the full local budget; earlier
+stages run frozen without autograd, bypassed input-side blocks do not run at all, and a stage ending
+before the last block reaches the head through a parameter-free link. With `models` > 1 (m-FeDepth)
+the client also trains persistent auxiliary copies kept in its DeviceStore, each distilled from the
+others; only the downloaded model is uploaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge.procedures.common import batches, cross_entropy, make_optimizer, step
+from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.errors import ConfigError
+from nestling.models.layers import SlimBatchNorm2d, SlimLayerNorm, SlimLinear
+from nestling.models.net import ScalableNet
+from profiler.decompose import StagePlan
+from profiler.memory import SavedTensorMeter, gradient_bytes, model_tensors, optimizer_bytes, tensor_bytes
+
+AUX_KEY = "m-fedepth/aux{}"
+# Called after every step when given: (stage, meter of that step's forward, optimizer, trainable parameters).
+StepObserver = Callable[[int, SavedTensorMeter, torch.optim.Optimizer, list[nn.Parameter]], None]
+
+
+def skip_link(z: torch.Tensor, stride: int, channels: int) -> torch.Tensor:
+    """Parameter-free map to the head's input (§3.a.3): keep pixels 0, s, 2s, …; pad channels with zeros
+    symmetrically (C_b → C_head). Token sequences (ViT) already have the head's shape."""
+    if z.dim() != 4:
+        return z
+    if stride > 1:
+        z = z[:, :, ::stride, ::stride]
+    missing = channels - z.shape[1]
+    if missing < 0:
+        raise ConfigError(f"skip link: stage output has {z.shape[1]} channels, the head takes {channels}")
+    left = missing // 2
+    return F.pad(z, (0, 0, 0, 0, left, missing - left))
+
+
+class StageRunner:
+    """The forward pass and trainable set of each stage of one plan on one network."""
+
+    def __init__(self, net: ScalableNet, plan: StagePlan, *, aux_heads: bool = False,
+                 stem_every_stage: bool = False) -> None:
+        head = net.head
+        if head is None or getattr(head.fc, "in_features", None) != net.infos[-1].global_out:
+            raise ConfigError("fedepth trains the full-width model with its final head")
+        self.net, self.head, self.plan = net, head, plan
+        self.aux_heads, self.stem_every_stage = aux_heads, stem_every_stage
+        self.last = len(net.blocks) - 1
+
+    def head_of(self, j: int) -> tuple[nn.Module, bool]:
+        """The head stage j trains through, and whether it needs the skip link."""
+        stage = self.plan.stages[j]
+        end = stage[-1] if stage else None
+        if end == self.last:
+            return self.head, False
+        if self.aux_heads and end is not None:
+            return self.net.exits[str(end)], False
+        return self.head, True
+
+    def trains_stem(self, j: int) -> bool:
+        return j == 0 or self.stem_every_stage
+
+    def trainable(self, j: int) -> list[nn.Module]:
+        modules = [self.net.blocks[b] for b in self.plan.stages[j]] + [self.head_of(j)[0]]
+        return modules + ([self.net.stem] if self.trains_stem(j) else [])
+
+    def link_stride(self, j: int) -> int:
+        stage = self.plan.stages[j]
+        after = self.net.infos[(stage[-1] + 1 if stage else 0):]
+        return math.prod(info.stride for info in after)
+
+    def forward(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        stage = self.plan.stages[j]
+        with torch.set_grad_enabled(self.trains_stem(j)):
+            z = self.net.stem(x)
+        with torch.no_grad():  # earlier stages are frozen: no graph, nothing saved
+            for b in range(stage[0] if stage else 0):
+                if b in self.plan.bypass:
+                    # Partial training (§3.a.5): the block does not run. DECISION: a block that changes the
+                    # shape is crossed by the same parameter-free map as the skip link (identity otherwise).
+                    info = self.net.infos[b]
+                    z = skip_link(z, info.stride, info.global_out)
+                else:
+                    z = self.net.blocks[b](z)
+        for b in stage:
+            z = self.net.blocks[b](z)
+        head, linked = self.head_of(j)
+        if linked:
+            z = skip_link(z, self.link_stride(j), self.net.infos[-1].global_out)
+        logits: torch.Tensor = head(z)
+        return logits
+
+    def set_modes(self, j: int) -> None:
+        """Frozen parts run in eval mode so running statistics (if any) stay frozen too."""
+        self.net.train()
+        trained = {id(m) for m in self.trainable(j)}
+        for module in [self.net.stem, *self.net.blocks]:
+            if id(module) not in trained:
+                module.eval()
+
+
+def mutual_loss(logits: list[torch.Tensor], y: torch.Tensor, hp: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_m [CE_m + λ/(M−1) Σ_{m'≠m} KL(p^{m'}.detach() ‖ p^m)] (§3.a.7, batch-mean KL); also model 1's CE."""
+    weight = float(hp.get("kd_weight", 1.0))
+    first = cross_entropy(logits[0], y, hp)
+    total = first
+    for m, own in enumerate(logits):
+        if m:
+            total = total + cross_entropy(own, y, hp)
+        if len(logits) > 1:
+            log_p = F.log_softmax(own, dim=1)
+            kl = sum(F.kl_div(log_p, F.softmax(peer.detach(), dim=1), reduction="batchmean")
+                     for k, peer in enumerate(logits) if k != m)
+            total = total + weight / (len(logits) - 1) * kl
+    return total, first
+
+
+def stage_hparams(hp: dict[str, Any], data: ClientData, stages: int) -> dict[str, Any]:
+    """`full` (reference code): every stage gets the whole local budget; `split`: it is shared out."""
+    if hp.get("stage_steps", "full") == "full":
+        return hp
+    batch = max(1, min(int(hp.get("batch_size", 32)), len(data)))
+    if hp.get("local_steps") is not None:
+        total = int(hp["local_steps"])
+    else:
+        total = int(hp.get("local_epochs", 1)) * -(-len(data) // batch)
+    return {**hp, "local_steps": max(1, total // stages)}
+
+
+def run_stages(models: list[ScalableNet], plan: StagePlan, data: ClientData, hp: dict[str, Any],
+               generator: torch.Generator, observe: StepObserver | None = None) -> list[float]:
+    """Train every stage in order on all models together; returns model 1's loss per step."""
+    runners = [StageRunner(net, plan, aux_heads=hp.get("variant") == "aux",
+                           stem_every_stage=bool(hp.get("stem_every_stage", False))) for net in models]
+    learnable = {id(p): p.requires_grad for net in models for p in net.parameters()}
+    per_stage = stage_hparams(hp, data, plan.num_stages)
+    carried: dict[int, dict[str, Any]] = {}
+    losses: list[float] = []
+    try:
+        for j in range(plan.num_stages):
+            params: list[nn.Parameter] = []
+            for runner in runners:
+                for p in runner.net.parameters():
+                    p.requires_grad_(False)
+                    p.grad = None  # earlier stages' gradients would only hold memory
+                for module in runner.trainable(j):
+                    params.extend(p for p in module.parameters() if learnable[id(p)])
+                runner.set_modes(j)
+            for p in params:
+                p.requires_grad_(True)
+            # A fresh optimizer over the trainable set only: frozen tensors get no decay and no momentum.
+            optimizer = make_optimizer(params, per_stage)
+            for p in params:
+                if id(p) in carried:  # the head continues from the previous stage, momentum included
+                    optimizer.state[p] = carried[id(p)]
+            for x, y in batches(data, per_stage, generator):
+                meter = SavedTensorMeter([t for net in models for t in model_tensors(net)]) if observe else None
+                with meter if meter is not None else contextlib.nullcontext():
+                    loss, first = mutual_loss([r.forward(x, j) for r in runners], y, hp)
+                step(optimizer, loss, params, hp)
+                if observe is not None and meter is not None:
+                    observe(j, meter, optimizer, params)
+                losses.append(float(first.detach()))
+            heads = {id(p) for r in runners for p in r.head.parameters()}
+            carried = {id(p): state for p, state in optimizer.state.items() if id(p) in heads}
+    finally:
+        for net in models:
+            for p in net.parameters():
+                p.requires_grad_(learnable[id(p)])
+            net.train()
+    return losses
+
+
+def measure_stage_peaks(models: list[ScalableNet], plan: StagePlan, data: ClientData, hp: dict[str, Any],
+                        generator: torch.Generator) -> list[int]:
+    """Train as `run_stages` does and return each stage's measured peak: a step's saved activations plus the
+    weights and optimizer state of the trainable set and every gradient that exists in the models."""
+    peaks = [0] * plan.num_stages
+
+    def observe(j: int, meter: SavedTensorMeter, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+        held = (meter.total_bytes + tensor_bytes(params) + optimizer_bytes(optimizer)
+                + sum(gradient_bytes(net.parameters()) for net in models))
+        peaks[j] = max(peaks[j], held)
+
+    run_stages(models, plan, data, hp, generator, observe)
+    return peaks
+
+
+def fresh_auxiliary(model: ScalableNet) -> ScalableNet:
+    """m-FeDepth's auxiliary model: a copy of the downloaded model with norm affines at (1, 0) and zero
+    linear biases (§3.a.7; DECISION: the copy is made at the client's first participation)."""
+    aux = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in aux.modules():
+            if isinstance(module, (SlimBatchNorm2d, SlimLayerNorm)) and module.weight is not None:
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, (SlimLinear, nn.Linear)) and module.bias is not None:
+                module.bias.zero_()
+    return aux
+
+
+def load_auxiliaries(model: ScalableNet, store: DeviceStore, count: int) -> list[ScalableNet]:
+    peers = []
+    for m in range(count):
+        saved = store.get(AUX_KEY.format(m))
+        if saved is None:
+            peers.append(fresh_auxiliary(model))
+            continue
+        peer = copy.deepcopy(model)
+        peer.load_state_dict(saved, strict=True)
+        peers.append(peer)
+    return peers
+
+
+@register("fedepth")
+def train_fedepth(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
+                  generator: torch.Generator) -> LocalOutcome:
+    plan = StagePlan.from_dict(hp["plan"])
+    count = int(hp.get("models", 1))
+    if count < 1:
+        raise ConfigError(f"fedepth needs models >= 1, got {count}")
+    peers = load_auxiliaries(model, store, count - 1)
+    losses = run_stages([model, *peers], plan, data, hp, generator)
+    for m, peer in enumerate(peers):
+        store[AUX_KEY.format(m)] = {k: v.detach().to("cpu").clone() for k, v in peer.state_dict().items()}
+    untouched: set[str] = set()
+    if not hp.get("aggregate_bypassed", True):
+        untouched = {f"blocks.{b}.{k}" for b in plan.bypass for k in model.blocks[b].state_dict()}
+    return LocalOutcome(model, len(data), losses, len(losses), untouched=untouched,
+                        extra={"stages": plan.num_stages, "bypassed": len(plan.bypass), "models": count})
