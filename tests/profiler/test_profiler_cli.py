@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from profiler.cli import plan_main, profile_main
+from profiler.cli import profile_main
+from server.plan_cli import plan_main
 
 MIB = 2**20
 

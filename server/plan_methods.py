@@ -30,7 +30,7 @@ PLANNABLE = (*FAMILY_METHODS, "scalefl", *DEPTH_METHODS)
 
 def _strategy(method: str, arch: str, shape: tuple[int, int, int], classes: int, clients: int, batch: int,
               options: dict[str, Any]) -> Any:
-    from server.strategies import StrategyContext, create_strategy
+    from server.strategies import StrategyContext, create_strategy  # noqa: PLC0415
 
     ctx = StrategyContext(arch=arch, num_classes=classes, in_channels=shape[0], image_size=shape[1],
                           num_clients=max(1, clients), total_rounds=1,

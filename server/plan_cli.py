@@ -1,0 +1,103 @@
+"""`nestling plan`: turn fleet budgets (profiles or numbers) into each method's submodels or depth plans.
+
+It lives in server/ because it asks the strategies for their submodel families; the profiler below it
+supplies the estimator and the fitting rules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from nestling.errors import NestlingError
+from nestling.models.zoo import known_models
+from profiler.cli import MIB, _console, _write_json
+from profiler.planner import DeviceBudget, PlanRow, plan_to_json
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    from server.plan_methods import PLANNABLE
+
+    p = argparse.ArgumentParser(prog="nestling plan", description="Turn device budgets into submodels or stages.")
+    p.add_argument("profiles", nargs="*", type=Path, help="device profiles written by `nestling profile`")
+    p.add_argument("--budget-mb", type=float, nargs="+", help="memory budgets: one per profile, or devices of their own")
+    p.add_argument("--method", required=True, choices=PLANNABLE)
+    p.add_argument("--model", required=True, choices=known_models())
+    p.add_argument("--batch", type=int, help="training batch (default: the first profile's, else 32)")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--in-channels", type=int, default=3)
+    p.add_argument("--step-ms", type=float, help="time budget per training step")
+    p.add_argument("--memory-fraction", type=float, default=0.5,
+                   help="share of a profile's available memory used when it records no budget")
+    p.add_argument("--levels", type=int, default=4, help="ScaleFL: number of complexity levels (k-means clusters)")
+    p.add_argument("--tolerance", type=float, default=0.05, help="FeDepth τ / ScaleFL ε")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=JSON", help="a [method] option, e.g. budgets=\"lack\"")
+    p.add_argument("--out", type=Path, default=Path("plan.json"))
+    return p
+
+
+def _devices(args: argparse.Namespace) -> tuple[list[DeviceBudget], int | None]:
+    budgets = args.budget_mb or []
+    profiles = []
+    for path in args.profiles:
+        if not path.is_file():
+            raise NestlingError(f"profile {path} does not exist")
+        profiles.append(json.loads(path.read_text()))
+    if profiles and budgets and len(budgets) != len(profiles):
+        raise NestlingError(f"--budget-mb has {len(budgets)} values for {len(profiles)} profiles")
+    if profiles:
+        devices = [DeviceBudget.from_profile(p, memory_bytes=int(budgets[i] * MIB) if budgets else None,
+                                             memory_fraction=args.memory_fraction, step_ms_budget=args.step_ms)
+                   for i, p in enumerate(profiles)]
+        batch = next((int(p["model"]["batch"]) for p in profiles if "model" in p), None)
+        return devices, batch
+    return [DeviceBudget(f"budget-{i + 1}", int(mb * MIB), step_ms_budget=args.step_ms) for i, mb in enumerate(budgets)], None
+
+
+def _parse_options(pairs: list[str]) -> dict[str, Any]:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise NestlingError(f"--option expects KEY=VALUE, got '{pair}'")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def _plan_table(method: str, rows: list[PlanRow]) -> Table:
+    table = Table(title=f"plan · {method}")
+    for column in ("device", "budget MiB", "plan", "params", "GMACs/step", "est. MiB", "est. step ms", "fits"):
+        table.add_column(column, justify="left" if column in ("device", "plan") else "right")
+    for r in rows:
+        table.add_row(r.device, f"{r.budget_bytes / MIB:.1f}", r.label, f"{r.params:,}", f"{r.training_macs / 1e9:.2f}",
+                      f"{r.memory_bytes / MIB:.1f}", "–" if r.step_ms is None else f"{r.step_ms:.1f}",
+                      "[green]yes[/green]" if r.fits else "[red]no[/red]")
+    return table
+
+
+def plan_main(argv: list[str]) -> int:
+    """`nestling plan PROFILE... [--budget-mb ...] --method M --model M --out plan.json`."""
+    from server.plan_methods import plan_rows
+
+    args = _plan_parser().parse_args(argv)
+    console = _console()
+    try:
+        devices, profile_batch = _devices(args)
+        batch = args.batch or profile_batch or 32
+        rows, extra = plan_rows(args.method, args.model, devices, batch=batch,
+                                shape=(args.in_channels, args.image_size, args.image_size), classes=args.classes,
+                                levels=args.levels, tolerance=args.tolerance, options=_parse_options(args.option))
+    except (NestlingError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    _write_json(args.out, plan_to_json(args.method, rows, batch, model=args.model, **extra))
+    console.print(_plan_table(args.method, rows))
+    console.print(f"plan written to {args.out}")
+    return 0
