@@ -18,6 +18,7 @@ from nestling.models.zoo import build
 from nestling.schedule import LrSchedule
 from nestling.slicing import check_result_tensors, extract, slices_for
 from nestling.spec import SubmodelSpec
+from profiler.planner import device_memory_budget, member_for_budget
 
 
 @dataclass
@@ -123,6 +124,14 @@ class Strategy(ABC):
 
     def aggregation_weight(self, result: Result) -> float:
         return 1.0
+
+    def fit_by_budget(self, device: DeviceInfo, specs: list[SubmodelSpec]) -> int | None:
+        """Index of the largest spec whose estimated training memory fits the device's registered budget
+        (the cheapest when none fits); None when the device registered no budget."""
+        budget = device_memory_budget(device.memory_budget_bytes, device.profile)
+        if budget is None:
+            return None
+        return member_for_budget(specs, budget, int(self.ctx.local.get("batch_size", 32)))
 
     # -- shared machinery ---------------------------------------------------------------------
     def round_rng(self, round_index: int, salt: int = 0) -> np.random.Generator:

@@ -33,6 +33,9 @@ class FjORD(Strategy):
         self.specs = {p: SubmodelSpec(self.model, width=p) for p in self.widths}
 
     def tier_of(self, device: DeviceInfo) -> float:
+        fitted = self.fit_by_budget(device, [self.specs[p] for p in self.widths])
+        if fitted is not None:  # a registered budget: p_max = the widest width that fits it
+            return self.widths[fitted]
         per_tier = max(1, self.ctx.num_clients / len(self.widths))
         return self.widths[min(int(device.index // per_tier), len(self.widths) - 1)]
 

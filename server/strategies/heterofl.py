@@ -10,7 +10,6 @@ from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.spec import SubmodelSpec, width_from_param_fraction
-from profiler.planner import device_memory_budget, member_for_budget
 from server.strategies.nefl_presets import PARAM_FRACTIONS
 from server.strategies.base import DeviceInfo, EvalTarget, Strategy
 
@@ -56,11 +55,10 @@ class HeteroFL(Strategy):
         self.specs = {rate: SubmodelSpec(self.model, width=rate) for rate in rates}
 
     def rate_of(self, round_index: int, device: DeviceInfo) -> float:
-        budget = device_memory_budget(device.memory_budget_bytes, device.profile)
-        if budget is not None:  # a registered budget: the widest rate that fits it (profiler.planner)
-            rates = sorted(self.specs)
-            specs = [self.specs[r] for r in rates]
-            return rates[member_for_budget(specs, budget, int(self.ctx.local.get("batch_size", 32)))]
+        rates = sorted(self.specs)
+        fitted = self.fit_by_budget(device, [self.specs[r] for r in rates])
+        if fitted is not None:  # a registered budget: the widest rate that fits it
+            return rates[fitted]
         if self.options["mode"] == "dynamic":
             rng = self.round_rng(round_index, salt=device.index + 1)
             return self.mix[int(rng.choice(len(self.mix), p=[s for _, s in self.mix]))][0]

@@ -13,7 +13,7 @@ from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.slicing import extract, roles_for, slices_for
 from nestling.spec import SubmodelSpec
-from profiler.planner import device_memory_budget, member_for_budget
+from profiler.planner import device_memory_budget
 from server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from server.strategies.nefl_presets import nefl_family
 
@@ -58,9 +58,9 @@ class NeFL(Strategy):
     def tier_of(self, device: DeviceInfo) -> int:
         """Contiguous equal tiers by client index (METHODS §2.a.5), the device's profile tier, or the largest
         submodel that fits the memory budget it registered (profiler.planner)."""
-        budget = device_memory_budget(device.memory_budget_bytes, device.profile)
-        if budget is not None:
-            return member_for_budget(self.specs, budget, int(self.ctx.local.get("batch_size", 32)))
+        fitted = self.fit_by_budget(device, self.specs)
+        if fitted is not None:
+            return fitted
         if device.profile and "tier" in device.profile:
             return min(int(device.profile["tier"]), self.num_submodels - 1)
         per_tier = max(1, self.ctx.num_clients / self.num_submodels)

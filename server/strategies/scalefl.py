@@ -49,6 +49,9 @@ class ScaleFL(Strategy):
                                for pos, i in enumerate(order)}
 
     def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
+        fitted = self.fit_by_budget(device, self.specs)
+        if fitted is not None:  # a registered budget: the largest level that fits it (§6.a.1)
+            return self.specs[fitted]
         return self.specs[self.level_of_index.get(device.index % self.ctx.num_clients, 0)]
 
     def local_hparams(self, round_index: int, device: DeviceInfo, spec: SubmodelSpec) -> dict[str, Any]:

@@ -191,3 +191,21 @@ def test_tensors_that_received_no_gradient_are_not_counted(scalefl: ScaleFL, fak
     torch.testing.assert_close(strategy.global_state["head.fc.bias"], b.weights["head.fc.bias"])
     assert not torch.equal(strategy.global_state["head.fc.bias"], before)
     strategy.validate(a_task, a)  # a partial upload is valid
+
+
+def test_registered_budgets_pick_the_largest_level_that_fits() -> None:
+    """§6.a.1 / §6.b.7: each client's level cost (training memory here) ≤ its budget; none fits → cheapest."""
+    from profiler.estimator import estimate
+    from server.strategies import StrategyContext, create_strategy
+    from server.strategies.base import DeviceInfo
+
+    ctx = StrategyContext(arch="resnet20", num_classes=10, in_channels=3, image_size=32, num_clients=4,
+                          total_rounds=4, local={"batch_size": 16})
+    strategy = create_strategy("scalefl", ctx)
+    costs = [estimate(spec, 16).training_bytes for spec in strategy.specs]
+    assert costs == sorted(costs)
+    for level, cost in enumerate(costs):
+        device = DeviceInfo("dev-00000", 0, 10, memory_budget_bytes=cost + 1)
+        assert strategy.specs.index(strategy.spec_for(0, device)) == level
+    tiny = DeviceInfo("dev-00001", 1, 10, memory_budget_bytes=1)
+    assert strategy.spec_for(0, tiny) == strategy.specs[0]
