@@ -7,6 +7,12 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/aggregate.py
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as a script, this folder comes first on sys.path and benchmarks/profiler.py would shadow the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 import statistics
 import time
 

@@ -17,7 +17,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
     "broker": ("server.broker", "broker_main", "run the embedded MQTT broker"),
     "broker-config": ("server.broker_config", "broker_config_main", "write mosquitto config, ACLs, passwords, certs"),
     "server": ("server.fleet", "server_main", "coordinate a fleet over MQTT"),
-    "agent": ("edge.agent", "agent_main", "run the board agent"),
+    "agent": ("edge.agent_cli", "agent_main", "run the board agent (or: agent install-service)"),
     "profile": ("profiler.cli", "profile_main", "measure per-block latency and memory on this machine"),
     "plan": ("server.plan_cli", "plan_main", "turn device budgets into submodels / depth decompositions"),
     "export": ("export.cli", "export_main", "export a trained submodel as an ONNX / TensorRT bundle"),

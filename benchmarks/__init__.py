@@ -1,0 +1,1 @@
+"""Reproducible side-by-side measurements; run each as `python -m benchmarks.NAME` from the repo root."""

@@ -1,0 +1,270 @@
+"""The edge agent: registers with the fleet, trains each assigned slice, reports, heartbeats, recovers by itself.
+
+Three threads: paho's network thread (only queues messages), a control thread (tasks in, chunk
+re-requests both ways, hellos, heartbeats) and a worker thread (training). Training never blocks
+heartbeats or answers to re-requests, and only the newest task is trained when several queue up.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import torch
+
+from edge.agent_config import AgentConfig
+from edge.monitor import ResourceMonitor
+from edge.procedures import ClientData, DeviceStore
+from edge.trainer import run_task
+from nestling.errors import NestlingError, WireError
+from nestling.fleet_messages import (
+    REHELLO,
+    DeviceStatus,
+    decode_server_status,
+    decode_task,
+    encode_hello,
+    encode_result,
+    encode_status,
+)
+from nestling.fleet_transfers import Inbound, Outbound
+from nestling.messages import Task
+from nestling.wire.codec import CHUNK_KIND, CHUNK_REQUEST_KIND, decode_message, read_header
+from nestling.wire.topics import OFFLINE, QOS, FleetTopics
+
+log = logging.getLogger("nestling.agent")
+
+
+@dataclass(frozen=True)
+class SentResult:
+    task_id: str
+    round: int
+    session: str
+    frames: list[bytes]
+
+
+class Agent:
+    """One board in a fleet. `start()` returns at once; the agent keeps (re)connecting on its own."""
+
+    def __init__(self, config: AgentConfig, data: ClientData, monitor: ResourceMonitor | None = None) -> None:
+        self.config = config
+        self.data = data
+        self.device_id = config.device.id
+        self.topics = FleetTopics(config.broker.fleet)
+        self.monitor = monitor or ResourceMonitor(config.device.torch_device)
+        self.store = DeviceStore()  # the procedures' per-device state, kept across rounds
+        self.server_session: str | None = None
+        self.results_sent = 0
+        self.state: str = "online"
+        self.round: int | None = None
+        limits = config.agent
+        self.outbound = Outbound(limits.chunk_kb * 1024, max_transfers=4)
+        self.inbound = Inbound(limits.max_message_mb * 1024 * 1024, stall_s=limits.stall_s)
+        self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._slot: tuple[Task, str] | None = None  # the newest task not yet started, and its server session
+        self._training: tuple[str, str] | None = None  # (task id, session) being trained now
+        self._sent: SentResult | None = None  # the last result, kept to resend after an outage
+        self._slot_ready = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.client = config.broker.client(f"nestling-{self.topics.fleet}-{self.device_id}",
+                                           will=(self.topics.status(self.device_id), OFFLINE, True))
+        self.client.max_inflight_messages_set(64)
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = lambda _c, _u, msg: self._inbox.put((msg.topic, bytes(msg.payload)))
+
+    # -- what the server learns about this board -------------------------------------------------
+    def profile(self) -> dict[str, Any]:
+        device, data = self.config.device, self.config.data
+        profile: dict[str, Any] = {
+            "num_samples": len(self.data),
+            "labels": sorted(set(self.data.y.tolist())),
+            "index": data.client_index,
+            "dataset": data.dataset,
+            **self.monitor.profile(),
+        }
+        if device.tier is not None:  # pinned: strategies size by budget first, so the budget stays home
+            profile["tier"] = device.tier
+        elif device.memory_budget_mb is not None:
+            profile["memory_budget_bytes"] = int(device.memory_budget_mb * 1024 * 1024)
+        return profile
+
+    def _say_hello(self) -> None:
+        self.client.publish(self.topics.hello(self.device_id), encode_hello(self.device_id, self.profile()), qos=QOS)
+        self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        status = DeviceStatus(self.device_id, self.state, self.round, self.monitor.snapshot())
+        self.client.publish(self.topics.status(self.device_id), encode_status(status), qos=QOS, retain=True)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> Agent:
+        host, port = self.config.broker.host_port
+        self.client.connect_async(host, port, keepalive=15)
+        self.client.loop_start()  # retries the first connection too: the broker may come up later
+        for target, name in ((self._control, "control"), (self._work, "worker")):
+            thread = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        """Leave cleanly: mark this device offline (as the last will would) and disconnect."""
+        self._stop.set()
+        with self._slot_ready:
+            self._slot_ready.notify_all()
+        for thread in self._threads:
+            thread.join(5.0)
+        if self.client.is_connected():
+            self.client.publish(self.topics.status(self.device_id), OFFLINE, qos=QOS, retain=True).wait_for_publish(2.0)
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    def request_stop(self) -> None:
+        """Ask the agent to stop (safe from a signal handler); `wait()` then returns."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until stopped (True) or `timeout` passed (False)."""
+        return self._stop.wait(timeout)
+
+    def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
+                    properties: object) -> None:
+        if getattr(reason, "is_failure", False):
+            log.error("broker refused %s: %s", self.device_id, reason)
+            return
+        client.subscribe([(self.topics.task(self.device_id), QOS), (self.topics.ctrl(self.device_id), QOS),
+                          (self.topics.server_status, QOS)])
+        self._say_hello()  # after every (re)connect: a restarted broker or server has forgotten us
+        log.info("%s connected and registered", self.device_id)
+
+    def _on_disconnect(self, *args: object) -> None:
+        if not self._stop.is_set():
+            log.warning("lost the broker; paho reconnects by itself")
+
+    # -- control thread --------------------------------------------------------------------------
+    def _control(self) -> None:
+        next_beat = time.monotonic() + self.config.agent.heartbeat_s
+        while not self._stop.is_set():
+            try:
+                topic, payload = self._inbox.get(timeout=0.2)
+                self._handle(topic, payload)
+            except queue.Empty:
+                pass
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.config.agent.heartbeat_s
+                self._heartbeat()
+            for request in self.inbound.requests():
+                self.client.publish(self.topics.result(self.device_id), request, qos=QOS)
+            for transfer_id in self.inbound.expired():
+                log.warning("gave up on task transfer %s: chunks missing", transfer_id)
+
+    def _handle(self, topic: str, payload: bytes) -> None:
+        try:
+            if topic == self.topics.server_status:
+                self._on_server_status(payload)
+            elif topic == self.topics.task(self.device_id):
+                self._on_task_frame(payload)
+            elif topic == self.topics.ctrl(self.device_id):
+                self._on_ctrl(payload)
+        except NestlingError as exc:
+            log.warning("ignored a message on %s: %s", topic, exc)
+        except Exception:  # the control thread must outlive any message; the traceback shows the bug
+            log.exception("failed to handle a message on %s", topic)
+
+    def _on_server_status(self, payload: bytes) -> None:
+        if bytes(payload) == OFFLINE:
+            log.warning("the server went offline; waiting for it to come back")
+            return
+        status = decode_server_status(payload)
+        if status.session != self.server_session:  # a server process we have not greeted yet
+            self.server_session = status.session
+            log.info("new server session %s: registering again", status.session)
+            self._say_hello()
+        sent = self._sent
+        if sent and status.phase == "training" and (sent.round, sent.session) == (status.round, status.session):
+            self._resend(sent)  # the server re-announced the round we answered: our result may have been lost
+
+    def _resend(self, sent: SentResult) -> None:
+        """Publish a result again (after a broker outage); the server applies a result once, whatever arrives."""
+        log.info("re-sending the result of %s", sent.task_id)
+        for frame in sent.frames:
+            self.client.publish(self.topics.result(self.device_id), frame, qos=QOS)
+
+    def _on_ctrl(self, payload: bytes) -> None:
+        kind = read_header(payload)["kind"]
+        if kind == CHUNK_REQUEST_KIND:
+            for frame in self.outbound.answer(payload, "server"):
+                self.client.publish(self.topics.result(self.device_id), frame, qos=QOS)
+        elif kind == REHELLO:
+            self._say_hello()
+        else:
+            raise WireError(f"unexpected control message {kind!r}")
+
+    def _on_task_frame(self, payload: bytes) -> None:
+        if read_header(payload)["kind"] == CHUNK_KIND:
+            whole = self.inbound.add(payload)
+            if whole is None:
+                return
+            payload = whole
+        task, session = decode_task(decode_message(payload, max_bytes=self.inbound.max_payload_bytes))
+        if task.device_id != self.device_id:
+            raise WireError(f"task {task.task_id} is for {task.device_id}, not {self.device_id}")
+        sent = self._sent
+        if sent and (sent.task_id, sent.session) == (task.task_id, session):
+            self._resend(sent)  # the server sent the task again: it lost our answer, not us the task
+            return
+        if (task.task_id, session) == self._training:
+            return
+        with self._slot_ready:
+            if self._slot is None or task.round >= self._slot[0].round or session != self._slot[1]:
+                self._slot = (task, session)  # an older queued task is superseded: its round has closed
+            self._slot_ready.notify()
+
+    # -- worker thread ---------------------------------------------------------------------------
+    def _work(self) -> None:
+        warm_up()
+        while not self._stop.is_set():
+            with self._slot_ready:
+                while self._slot is None and not self._stop.is_set():
+                    self._slot_ready.wait(0.5)
+                if self._stop.is_set():
+                    return
+                task, session = self._slot  # type: ignore[misc]
+                self._slot = None
+            self._train_and_report(task, session)
+
+    def _train_and_report(self, task: Task, session: str) -> None:
+        self.state, self.round, self._training = "training", task.round, (task.task_id, session)
+        self._heartbeat()
+        try:
+            result = run_task(task, self.data, self.store, self.config.device.torch_device)
+        except NestlingError as exc:  # an impossible spec, an unknown procedure: the round goes on without us
+            log.error("task %s refused: %s", task.task_id, exc)
+            return
+        except Exception:  # out of memory, a procedure's bug: keep serving later rounds
+            log.exception("task %s failed", task.task_id)
+            return
+        finally:
+            self.state, self._training = "online", None
+        payload = encode_result(result, session)
+        frames = self.outbound.frames(payload, "server")
+        self._sent = SentResult(task.task_id, task.round, session, frames)
+        for frame in frames:
+            self.client.publish(self.topics.result(self.device_id), frame, qos=QOS)
+        self.results_sent += 1
+        log.info("round %d: sent %s for submodel %s (%.2f MB, %.2fs training, loss %s)", task.round, task.task_id,
+                 result.spec_id, len(payload) / 1e6, result.metrics["train_seconds"], result.metrics.get("loss_mean"))
+        self._heartbeat()
+
+
+def warm_up() -> None:
+    """Pay torch's one-time lazy imports (the optimiser pulls in torch._dynamo: seconds on a small board)
+    while waiting for the first task, not inside the first round's deadline."""
+    weight = torch.zeros(1, requires_grad=True)
+    torch.optim.SGD([weight], lr=0.1).step()

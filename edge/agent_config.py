@@ -1,0 +1,88 @@
+"""agent.toml: broker, device identity and budget, where the board's data comes from, and agent timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nestling.errors import ConfigError
+from nestling.fleet_config import BrokerSettings, read_table, read_toml
+from nestling.wire.topics import validate_id
+
+
+@dataclass
+class DeviceSection:
+    id: str = ""
+    memory_budget_mb: float | None = None  # what training may use on this board; the server picks the submodel
+    tier: int | None = None  # pin a submodel tier (the budget is then not sent: strategies size by budget first)
+    torch_device: str = "cpu"  # "cuda" on a Jetson
+    threads: int = 1  # torch intra-op threads (more than the cores collapses throughput)
+
+
+@dataclass
+class DataSection:
+    """The demo's data source: the board builds its own partition of a named dataset (same seed everywhere)."""
+
+    dataset: str = "digits"
+    root: str | None = None
+    client_index: int = 0
+    num_clients: int = 1
+    seed: int = 0
+    partition: str = "iid"
+    alpha: float = 0.5
+    limit_train: int | None = None
+
+
+@dataclass
+class AgentSection:
+    heartbeat_s: float = 5.0
+    chunk_kb: int = 256
+    max_message_mb: int = 128
+    stall_s: float = 1.0  # re-request missing task chunks after this long without one
+
+
+@dataclass
+class AgentConfig:
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    device: DeviceSection = field(default_factory=DeviceSection)
+    data: DataSection = field(default_factory=DataSection)
+    agent: AgentSection = field(default_factory=AgentSection)
+    path: Path | None = None
+
+
+def agent_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> AgentConfig:
+    unknown = sorted(set(data) - {"broker", "device", "data", "agent"})
+    if unknown:
+        raise ConfigError(f"unknown agent config sections {unknown} (known: broker, device, data, agent)")
+    broker_table = data.get("broker", {})
+    if not isinstance(broker_table, dict):
+        raise ConfigError("[broker] must be a table")
+    config = AgentConfig(broker=BrokerSettings.from_table(broker_table, base),
+                         device=read_table(DeviceSection, "device", data.get("device", {})),
+                         data=read_table(DataSection, "data", data.get("data", {})),
+                         agent=read_table(AgentSection, "agent", data.get("agent", {})))
+    validate_id(config.device.id, "[device] id")
+    if config.data.root is not None:
+        config.data.root = str(base / config.data.root)  # relative to the config file (absolute stays)
+    d, a = config.data, config.agent
+    checks = [
+        (config.device.memory_budget_mb is None or config.device.memory_budget_mb > 0, "[device] memory_budget_mb must be > 0"),
+        (config.device.threads >= 1, "[device] threads must be >= 1"),
+        (d.num_clients >= 1 and 0 <= d.client_index < d.num_clients, "[data] needs 0 <= client_index < num_clients"),
+        (a.heartbeat_s > 0 and a.stall_s > 0, "[agent] heartbeat_s and stall_s must be > 0"),
+        (a.chunk_kb >= 1 and a.max_message_mb >= 1, "[agent] chunk_kb and max_message_mb must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    return config
+
+
+def load_agent_config(path: Path) -> AgentConfig:
+    """Read agent.toml; errors name the file and the key."""
+    path = Path(path)
+    data = read_toml(path, "agent config")
+    config = agent_config_from_dict(data, path.parent.resolve())
+    config.path = path.resolve()
+    return config

@@ -1,0 +1,150 @@
+"""`nestling server --config fleet.toml [--resume]`: the one coordinator, driving a real fleet over MQTT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nestling.data import load_dataset
+from nestling.errors import NestlingError
+from nestling.schedule import LrSchedule
+from nestling.wire.topics import OFFLINE, FleetTopics
+from server.checkpoint import latest_checkpoint
+from server.clock import WallClock
+from server.coordinator import Coordinator, RoundPolicy, RoundRecord
+from server.evaluation import Evaluator
+from server.fleet_config import FleetConfig, load_fleet_config
+from server.fleet_report import plot_accuracy, read_metrics, summarise, write_summary
+from server.mqtt_transport import MqttTransport, TransportSettings
+from server.registry import DeviceRegistry
+from server.strategies import StrategyContext, create_strategy
+from server.strategies.base import Strategy
+
+log = logging.getLogger("nestling.fleet")
+
+
+def local_hparams(cfg: FleetConfig) -> dict[str, Any]:
+    train = cfg.run.train
+    hp: dict[str, Any] = {"local_epochs": train.local_epochs, "batch_size": train.batch_size,
+                          "momentum": train.momentum, "weight_decay": train.weight_decay}
+    if train.local_steps is not None:
+        hp["local_steps"] = train.local_steps
+    if train.grad_clip is not None:
+        hp["grad_clip"] = train.grad_clip
+    return hp
+
+
+def transport_settings(cfg: FleetConfig) -> TransportSettings:
+    fleet = cfg.fleet
+    return TransportSettings(chunk_size=fleet.chunk_kb * 1024, max_message_bytes=fleet.max_message_mb * 1024 * 1024,
+                             stall_s=fleet.stall_s, round_min_devices=fleet.round_min_devices,
+                             device_wait_s=fleet.registration_timeout_s)
+
+
+def make_strategy(cfg: FleetConfig, num_classes: int, input_shape: tuple[int, int, int]) -> Strategy:
+    channels, size, _ = input_shape
+    run, train = cfg.run.run, cfg.run.train
+    ctx = StrategyContext(
+        arch=cfg.run.model.arch, num_classes=num_classes, in_channels=channels, image_size=size,
+        num_clients=cfg.fleet.devices, total_rounds=run.rounds, seed=run.seed,
+        schedule=LrSchedule(train.schedule, train.lr, train.gamma, tuple(train.milestones)),
+        local=local_hparams(cfg), options=dict(cfg.run.method.options), model_extra=dict(cfg.run.model.extra))
+    return create_strategy(cfg.run.method.name, ctx)
+
+
+def round_line(record: RoundRecord, total: int) -> str:
+    """One line per round for the operator: results, rejections, dropouts, time and accuracy per submodel."""
+    notes = [f"{record.accepted}/{record.selected} results"]
+    if not record.aggregated:
+        notes.append("below quorum: model unchanged")
+    rejected = sum(v for k, v in record.counters.items() if k.startswith("rejected_"))
+    for count, what in ((rejected, "rejected"), (record.counters.get("dropouts", 0), "dropped")):
+        if count:
+            notes.append(f"{count} {what}")
+    accuracies = " ".join(f"{s['name']} {100 * s['accuracy']:.1f}%" for s in record.submodels)
+    return f"round {record.round + 1}/{total}: {', '.join(notes)}, {record.wall_seconds:.1f}s  {accuracies}"
+
+
+def run_fleet(cfg: FleetConfig, *, resume: bool = False,
+              on_round: Callable[[RoundRecord], None] | None = None) -> dict[str, Any]:
+    """Wait for the fleet, run (or resume) every round, write metrics.jsonl, checkpoints and summary.json."""
+    started = time.perf_counter()
+    torch.set_num_threads(1)
+    run = cfg.run.run
+    opts = {} if cfg.run.data.limit_test is None else {"limit_test": cfg.run.data.limit_test}
+    bundle = load_dataset(cfg.run.data.dataset, cfg.run.data.root, seed=run.seed, **opts)
+    strategy = make_strategy(cfg, bundle.num_classes, bundle.input_shape)
+    out_dir = cfg.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    registry = DeviceRegistry(out_dir / "registry.json", heartbeat_timeout_s=cfg.fleet.heartbeat_timeout_s,
+                              allowed=set(cfg.fleet.allowed_devices) or None)
+    topics = FleetTopics(cfg.broker.fleet)
+    clock = WallClock()
+    client = cfg.broker.client(f"nestling-{topics.fleet}-server", will=(topics.server_status, OFFLINE, True))
+    transport = MqttTransport(client, topics, registry, clock, transport_settings(cfg))
+    evaluator = Evaluator(bundle.test.x, bundle.test.y, batch_size=run.eval_batch, device=run.device,
+                          calibration=bundle.train.x)
+    policy = RoundPolicy(rounds=run.rounds, fraction=cfg.run.train.fraction, over_selection=run.over_selection,
+                         quorum=run.quorum, deadline_s=run.deadline_s, eval_every=run.eval_every,
+                         checkpoint_every=run.checkpoint_every, seed=run.seed)
+
+    def report(record: RoundRecord) -> None:
+        print(round_line(record, run.rounds), flush=True)
+        if on_round is not None:
+            on_round(record)
+
+    coordinator = Coordinator(strategy, transport, clock, evaluator, policy, out_dir, report)
+    if resume and latest_checkpoint(out_dir / "checkpoints") is not None:
+        print(f"resuming after round {coordinator.resume()} of {run.rounds}", flush=True)
+    else:
+        if resume:
+            print("no complete checkpoint yet: starting from round 1", flush=True)
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    transport.connect(*cfg.broker.host_port)
+    try:
+        transport.publish_status("waiting", coordinator.start_round)
+        print(f"server for fleet {topics.fleet} on {cfg.broker.url}: waiting for {cfg.min_devices} devices",
+              flush=True)
+        ready = transport.wait_for_devices(cfg.min_devices, cfg.fleet.registration_timeout_s)
+        if not ready:
+            raise NestlingError(f"no device registered within {cfg.fleet.registration_timeout_s:.0f}s")
+        print(f"{len(ready)} devices registered: {', '.join(d.device_id for d in ready)}", flush=True)
+        coordinator.run()
+        transport.publish_status("done", run.rounds - 1)
+    finally:
+        transport.close()
+    summary = summarise(read_metrics(out_dir), cfg.to_dict(), time.perf_counter() - started)
+    summary["transport"] = dict(sorted(transport.counters.items()))
+    summary["trained_by"] = {spec: sorted(devices) for spec, devices in transport.trained_by.items()}
+    write_summary(out_dir, summary)
+    plot_accuracy(out_dir, f"{cfg.run.method.name} · {cfg.run.model.arch} · fleet {topics.fleet}")
+    return summary
+
+
+def server_main(argv: list[str]) -> int:
+    """`nestling server --config fleet.toml [--resume]`."""
+    parser = argparse.ArgumentParser(prog="nestling server", description="Coordinate a fleet of agents over MQTT.")
+    parser.add_argument("--config", type=Path, required=True, help="fleet.toml (see examples/fleet.toml)")
+    parser.add_argument("--resume", action="store_true", help="continue after the newest complete checkpoint")
+    parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        summary = run_fleet(load_fleet_config(args.config), resume=args.resume)
+    except NestlingError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(f"done: {summary['rounds']} rounds, worst {summary['worst_accuracy']}, avg {summary['avg_accuracy']}",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(server_main(sys.argv[1:]))

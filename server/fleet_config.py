@@ -1,0 +1,85 @@
+"""fleet.toml: broker, fleet policy ([fleet]) and the run itself ([run] [data] [model] [method] [train], as in simulate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nestling.config import SimConfig, config_from_dict
+from nestling.errors import ConfigError
+from nestling.fleet_config import BrokerSettings, read_table, read_toml
+from nestling.wire.topics import validate_id
+
+# A fleet loses devices mid-round, so its defaults differ from a simulation's (see docs/deploy.md).
+RUN_DEFAULTS: dict[str, Any] = {"over_selection": 1.3, "quorum": 0.6, "deadline_s": 300.0, "eval_every": 1}
+SERVER_DATA_KEYS = ("dataset", "root", "limit_test")  # the server only holds an evaluation set
+
+
+@dataclass
+class FleetSection:
+    devices: int = 1  # fleet size: the participation fraction and the NeFL tiers by index refer to it
+    min_devices: int = 0  # registrations to wait for before round 0 (0: all `devices`)
+    round_min_devices: int = 1  # a round waits (up to registration_timeout_s) for this many available devices
+    registration_timeout_s: float = 600.0
+    heartbeat_timeout_s: float = 30.0  # no heartbeat for this long (and no last will): the device is gone
+    chunk_kb: int = 256
+    max_message_mb: int = 128
+    stall_s: float = 1.0  # re-request a result's missing chunks after this long without one
+    allowed_devices: list[str] = field(default_factory=list)  # empty: any device the broker lets in
+
+
+@dataclass
+class FleetConfig:
+    broker: BrokerSettings
+    fleet: FleetSection
+    run: SimConfig  # validated by nestling.config exactly like `nestling simulate`'s
+    out_dir: Path
+
+    @property
+    def min_devices(self) -> int:
+        return self.fleet.min_devices or self.fleet.devices
+
+    def to_dict(self) -> dict[str, Any]:
+        """What summary.json records (no secrets: the broker password is left out)."""
+        return {**self.run.to_dict(), "fleet": vars(self.fleet), "broker": {"url": self.broker.url,
+                                                                          "fleet": self.broker.fleet}}
+
+
+def fleet_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> FleetConfig:
+    unknown = sorted(set(data) - {"broker", "fleet", "run", "data", "model", "method", "train"})
+    if unknown:
+        raise ConfigError(f"unknown fleet config sections {unknown} (known: broker, fleet, run, data, model, method, train)")
+    broker = BrokerSettings.from_table(data.get("broker", {}), base)
+    fleet = read_table(FleetSection, "fleet", data.get("fleet", {}))
+    if fleet.devices < 1 or fleet.min_devices < 0 or fleet.round_min_devices < 1:
+        raise ConfigError("[fleet] devices and round_min_devices must be >= 1, min_devices >= 0")
+    if fleet.chunk_kb < 1 or fleet.max_message_mb < 1 or fleet.stall_s <= 0 or fleet.heartbeat_timeout_s <= 0:
+        raise ConfigError("[fleet] chunk_kb, max_message_mb, stall_s and heartbeat_timeout_s must be > 0")
+    for device_id in fleet.allowed_devices:
+        validate_id(device_id, "[fleet] allowed_devices entry")
+    run = dict(data.get("run", {}))
+    out_dir = run.pop("out_dir", "runs/fleet")
+    if "workers" in run:
+        raise ConfigError("[run] workers is a simulation setting; a fleet's devices train themselves")
+    data_table = dict(data.get("data", {}))
+    if isinstance(data_table.get("root"), str):
+        data_table["root"] = str(base / data_table["root"])  # relative to the config file (absolute stays)
+    stray = sorted(set(data_table) - set(SERVER_DATA_KEYS))
+    if stray:
+        raise ConfigError(f"[data] {stray} belong in each agent.toml; the server's [data] is its evaluation set "
+                          f"({', '.join(SERVER_DATA_KEYS)})")
+    sim = config_from_dict({"run": {**RUN_DEFAULTS, **run, "workers": 1},
+                            "data": {**data_table, "clients": fleet.devices},
+                            "model": data.get("model", {}), "method": data.get("method", {}),
+                            "train": data.get("train", {})})
+    if sim.run.deadline_s is None or sim.run.deadline_s <= 0:
+        raise ConfigError("[run] deadline_s must be > 0: a fleet round cannot wait forever for a lost device")
+    if not isinstance(out_dir, str):
+        raise ConfigError("[run] out_dir must be a string")
+    return FleetConfig(broker, fleet, sim, (base / out_dir).resolve())
+
+
+def load_fleet_config(path: Path) -> FleetConfig:
+    """Read fleet.toml; relative paths (out_dir, credentials) are taken from the file's folder."""
+    return fleet_config_from_dict(read_toml(Path(path), "fleet config"), Path(path).resolve().parent)

@@ -1,0 +1,132 @@
+"""Client registry: devices known from hello messages, their liveness, and stable indices across restarts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nestling.errors import WireError
+from server.strategies.base import DeviceInfo
+
+log = logging.getLogger("nestling.registry")
+
+@dataclass
+class DeviceRecord:
+    """One registered device: what strategies see, and what the transport knows of its liveness."""
+
+    info: DeviceInfo
+    online: bool
+    last_seen: float
+    state: str = "online"
+
+
+def _optional_int(profile: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = profile.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise WireError(f"hello field {name!r} must be an integer >= {minimum}, got {value!r:.40}")
+    return value
+
+
+def _labels(profile: dict[str, Any]) -> tuple[int, ...] | None:
+    labels = profile.get("labels")
+    if labels is None:
+        return None
+    if not isinstance(labels, list) or len(labels) > 100_000 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in labels):
+        raise WireError("hello field 'labels' must be a list of class indices")
+    return tuple(sorted(set(labels)))
+
+
+class DeviceRegistry:
+    """Devices by id. Indices (tiers, seeds) are kept in `path` so a resumed server gives every device the
+    same index; a device may ask for its own index (its data partition) in the hello."""
+
+    def __init__(self, path: Path | None = None, *, heartbeat_timeout_s: float = 30.0,
+                 allowed: set[str] | None = None) -> None:
+        self.path = path
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.allowed = allowed
+        self.records: dict[str, DeviceRecord] = {}
+        self.indices: dict[str, int] = self._load()
+
+    def _load(self) -> dict[str, int]:
+        if self.path is None or not self.path.is_file():
+            return {}
+        try:
+            stored = json.loads(self.path.read_text())
+            return {str(k): int(v) for k, v in stored.get("indices", {}).items()}
+        except (ValueError, AttributeError, TypeError) as exc:
+            log.warning("ignoring unreadable registry %s: %s", self.path, exc)
+            return {}
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".tmp-{os.getpid()}")
+        devices = {d: {"index": r.info.index, "num_samples": r.info.num_samples,
+                       "memory_budget_bytes": r.info.memory_budget_bytes} for d, r in self.records.items()}
+        tmp.write_text(json.dumps({"indices": self.indices, "devices": devices}, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+    def _index_for(self, device_id: str, wanted: int | None) -> int:
+        if device_id in self.indices:
+            return self.indices[device_id]
+        taken = set(self.indices.values())
+        index = wanted if wanted is not None and wanted not in taken else next(
+            i for i in range(len(taken) + 1) if i not in taken)
+        self.indices[device_id] = index
+        self._save()
+        return index
+
+    def register(self, device_id: str, profile: dict[str, Any], now: float) -> DeviceInfo:
+        """Admit (or refresh) a device from its hello; WireError when the profile is unusable."""
+        if self.allowed is not None and device_id not in self.allowed:
+            raise WireError(f"device {device_id!r} is not in this fleet's allowed devices")
+        num_samples = _optional_int(profile, "num_samples", 0)
+        if num_samples is None:
+            raise WireError("hello lacks 'num_samples'")
+        budget = _optional_int(profile, "memory_budget_bytes", 1)
+        wanted = _optional_int(profile, "index", 0)
+        labels = _labels(profile)
+        info = DeviceInfo(device_id, self._index_for(device_id, wanted), num_samples, profile=profile,
+                          memory_budget_bytes=budget, labels=labels)
+        previous = self.records.get(device_id)
+        self.records[device_id] = DeviceRecord(info, online=True, last_seen=now)
+        if previous is None or previous.info.profile != info.profile:
+            self._save()
+        if previous is None:
+            log.info("registered %s (index %d, %d samples, budget %s bytes)", device_id, info.index, num_samples,
+                     budget)
+        return info
+
+    def known(self, device_id: str) -> bool:
+        return device_id in self.records
+
+    def heartbeat(self, device_id: str, state: str, now: float) -> None:
+        record = self.records[device_id]
+        record.online, record.state, record.last_seen = True, state, now
+
+    def offline(self, device_id: str) -> bool:
+        """Mark a device gone (last will); True if it was online."""
+        record = self.records.get(device_id)
+        if record is None or not record.online:
+            return False
+        record.online, record.state = False, "offline"
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Devices whose heartbeats stopped without a last will (half-open link): now offline."""
+        stale = [d for d, r in self.records.items() if r.online and now - r.last_seen > self.heartbeat_timeout_s]
+        for device_id in stale:
+            self.offline(device_id)
+        return stale
+
+    def available(self) -> list[DeviceInfo]:
+        return [r.info for r in self.records.values() if r.online]
