@@ -1,0 +1,43 @@
+"""The PyTorch reference of an export: the submodel in eval mode exactly as the server evaluates it.
+
+Models trained with batch statistics (norm_stats="batch": HeteroFL, ScaleFL, FeDepth) hold no running
+statistics. Exporting them with batch statistics would make a prediction depend on the rest of its
+batch (and be undefined at batch 1), so export *calibrates* them instead: static BN (sBN, HeteroFL's
+own evaluation rule) over a sample of training data, the same pass `server.evaluation` runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from nestling.errors import ConfigError
+from nestling.models.net import ScalableNet
+from server.evaluation import Evaluator
+from server.strategies.base import EvalTarget
+
+
+def needs_calibration(target: EvalTarget) -> bool:
+    return target.static_bn or target.spec.model.norm_stats == "batch"
+
+
+def reference_model(
+    target: EvalTarget, calibration: torch.Tensor | None = None, batch_size: int = 256
+) -> ScalableNet:
+    """Build, load and (if needed) sBN-calibrate the target's ScalableNet; returned in eval mode on CPU."""
+    if needs_calibration(target):
+        if calibration is None or len(calibration) == 0:
+            raise ConfigError(
+                f"{target.name} uses batch statistics ({target.spec.model.norm_stats}); exporting it "
+                "needs calibration data for static BN: pass --calib-data DATASET"
+            )
+        target = replace(target, static_bn=True)
+    empty = torch.zeros(0, dtype=torch.int64)
+    probe = calibration[:0] if calibration is not None else torch.zeros(0, 1, 1, 1)
+    evaluator = Evaluator(probe, empty, batch_size=batch_size, device="cpu", calibration=calibration)
+    model = evaluator.model_for(target)
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model

@@ -1,0 +1,271 @@
+"""Standalone inference modules: a trained ScalableNet rebuilt from plain torch layers with everything folded.
+
+What the exported graph holds (docs/export.md): only the submodel's physically sliced weights; each
+NeFL step size folded into the normalisation before it (s·BN(x) = BN with γ·s, β·s) and that BN folded
+into its convolution; ScaleFL's Scaler constant folded into the next BN; skipped blocks reduced to their
+projection shortcut or removed; blocks after the last requested output removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from export.fold import ChannelAffine, bn_affine, fold_conv, plain_linear, scale_affine, scaler_factor
+from export.plain_layers import (
+    Encoder,
+    GatedPoolLinear,
+    PatchEmbed,
+    PoolLinear,
+    PreActResidual,
+    Residual,
+    TokenHead,
+)
+from nestling.errors import SpecError
+from nestling.models.blocks import BasicBlock, EncoderBlock, PreActBlock
+from nestling.models.heads import DepthFLExit, PoolClassifier, ScaleFLExit, SepConv, TokenClassifier
+from nestling.models.layers import Scaler
+from nestling.models.net import ScalableNet
+from nestling.models.zoo import ConvStem, PatchStem
+
+HEAD = "head"
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """Which outputs of the submodel the exported graph returns, and under which names.
+
+    taps: outputs of `ScalableNet.forward_all` by name ("exit{block}" or "head"), in depth order.
+    names: the graph's output names; a single output is always called "logits".
+    combine: "none", or "mean" (DepthFL's ensemble: one output, the mean of every tap's logits).
+    """
+
+    taps: tuple[str, ...]
+    names: tuple[str, ...]
+    combine: str = "none"
+
+    @property
+    def exits(self) -> list[int]:
+        return [int(t[4:]) for t in self.taps if t != HEAD]
+
+
+def available_taps(net: ScalableNet) -> list[str]:
+    """Every output of the submodel in `forward_all` order."""
+    return [f"exit{k}" for k in net.exits] + ([HEAD] if net.head is not None else [])
+
+
+def plan_outputs(
+    net: ScalableNet, *, exit: str | int | None = None, all_exits: bool = False, ensemble: bool = False
+) -> OutputPlan:
+    """Resolve `--exit K` / `--all-exits` against the outputs this submodel has.
+
+    The default is what the server evaluates: the deepest output, or the mean of all outputs for an
+    ensemble method (DepthFL). `exit` is the block index an exit follows, or "head".
+    """
+    taps = available_taps(net)
+    if all_exits and exit is not None:
+        raise SpecError("choose either one exit or all exits, not both")
+    if all_exits:
+        return OutputPlan(tuple(taps), tuple(taps))
+    if exit is not None:
+        tap = HEAD if str(exit) == HEAD else f"exit{exit}"
+        if tap not in taps:
+            listed = ", ".join(t if t == HEAD else t[4:] for t in taps)
+            raise SpecError(f"this submodel has no exit '{exit}' (its outputs: exits after blocks {listed})")
+        return OutputPlan((tap,), ("logits",))
+    if ensemble and len(taps) > 1:
+        return OutputPlan(tuple(taps), ("logits",), "mean")
+    return OutputPlan((taps[-1],), ("logits",))
+
+
+class StandaloneNet(nn.Module):
+    """stem → segments of blocks, each ending where a requested output taps the trunk."""
+
+    def __init__(
+        self, stem: nn.Module, segments: list[nn.Module], heads: list[nn.Module], plan: OutputPlan
+    ) -> None:
+        super().__init__()
+        self.stem = stem
+        self.segments = nn.ModuleList(segments)
+        self.heads = nn.ModuleList(heads)
+        self.output_names = list(plan.names)
+        self.combine = plan.combine
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        x = self.stem(x)
+        outputs = []
+        for segment, head in zip(self.segments, self.heads):
+            x = segment(x)
+            outputs.append(head(x))
+        if self.combine == "mean":
+            return torch.stack(outputs).mean(0)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+# -- conversion of each ScalableNet part -----------------------------------------------------------
+def fold_chain(modules: list[nn.Module]) -> list[nn.Module]:
+    """conv [→ Scaler] [→ BN] runs become one conv; activations and resizes pass through; SepConvs recurse."""
+    out: list[nn.Module] = []
+    i = 0
+    while i < len(modules):
+        module = modules[i]
+        if isinstance(module, nn.Conv2d):
+            factor, j = 1.0, i + 1
+            if j < len(modules) and isinstance(modules[j], Scaler):
+                factor, j = scaler_factor(modules[j]), j + 1
+            if j < len(modules) and isinstance(modules[j], nn.BatchNorm2d):
+                out.append(fold_conv(module, post=bn_affine(modules[j], factor)))  # type: ignore[arg-type]
+                j += 1
+            else:
+                out.append(
+                    fold_conv(module, post=_uniform(module.out_channels, factor))
+                    if factor != 1.0
+                    else fold_conv(module)
+                )
+            i = j
+            continue
+        if isinstance(module, SepConv):
+            out.extend(fold_chain(list(module.body)))
+        elif isinstance(module, nn.Sequential):
+            out.extend(fold_chain(list(module)))
+        elif isinstance(module, (nn.ReLU, nn.Sigmoid, nn.Upsample, nn.MaxPool2d)):
+            out.append(module)
+        elif isinstance(module, Scaler):
+            if scaler_factor(module) != 1.0:
+                raise SpecError("a Scaler that is not followed by a convolution's BN cannot be folded")
+        else:
+            raise SpecError(f"export cannot fold a {type(module).__name__} inside a layer chain")
+        i += 1
+    return out
+
+
+def _uniform(channels: int, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.full((channels,), float(factor), dtype=torch.float64),
+        torch.zeros(channels, dtype=torch.float64),
+    )
+
+
+def _step(block: BasicBlock | PreActBlock) -> torch.Tensor:
+    return block.step.detach().double().reshape(-1)
+
+
+def _pre_activation(bn: nn.BatchNorm2d) -> nn.Sequential:
+    return nn.Sequential(ChannelAffine(bn_affine(bn)), nn.ReLU())
+
+
+def convert_stem(stem: nn.Module) -> nn.Module:
+    if isinstance(stem, ConvStem):
+        layers = fold_chain([stem.conv, stem.scale, stem.bn])
+        if stem.relu:
+            layers.append(nn.ReLU())
+        if stem.max_pool:
+            layers.append(nn.MaxPool2d(3, 2, 1))
+        return nn.Sequential(*layers)
+    if isinstance(stem, PatchStem):
+        return PatchEmbed(fold_conv(stem.proj), stem.cls_token, stem.pos_embed)
+    raise SpecError(f"export does not know the stem {type(stem).__name__}")
+
+
+def convert_block(block: nn.Module) -> nn.Module | None:
+    """The folded block, or None when it is an identity in inference (a skipped block without projection)."""
+    if isinstance(block, BasicBlock):
+        shortcut = nn.Sequential(*fold_chain(list(block.shortcut))) if block.has_projection else None
+        if block.skipped:
+            # Skipped post-activation block: ReLU(P(x)); without P its input is already a ReLU output.
+            return None if shortcut is None else nn.Sequential(shortcut, nn.ReLU())
+        conv2 = fold_conv(
+            block.conv2, post=scale_affine(bn_affine(block.bn2, scaler_factor(block.scale2)), _step(block))
+        )
+        body = nn.Sequential(*fold_chain([block.conv1, block.scale1, block.bn1]), nn.ReLU(), conv2)
+        return Residual(body, shortcut)
+    if isinstance(block, PreActBlock):
+        if block.skipped and not block.has_projection:
+            return None
+        pre = _pre_activation(block.bn1)
+        projection: nn.Conv2d | None = None
+        if block.has_projection:
+            scaler, conv = block.shortcut
+            assert isinstance(conv, nn.Conv2d)
+            projection = fold_conv(conv, pre_scale=scaler_factor(scaler))
+        if block.skipped:
+            assert projection is not None
+            return nn.Sequential(pre, projection)
+        conv1 = fold_conv(
+            block.conv1,
+            pre_scale=scaler_factor(block.scale1),
+            post=bn_affine(block.bn2, scaler_factor(block.scale2)),
+        )
+        conv2 = fold_conv(
+            block.conv2,
+            post=(
+                _step(block).expand(block.conv2.out_channels),
+                torch.zeros(block.conv2.out_channels, dtype=torch.float64),
+            ),
+        )
+        return PreActResidual(pre, nn.Sequential(conv1, nn.ReLU(), conv2), projection)
+    if isinstance(block, EncoderBlock):
+        return None if block.skipped else Encoder(block)
+    raise SpecError(f"export does not know the block {type(block).__name__}")
+
+
+def convert_head(head: nn.Module) -> nn.Module:
+    if isinstance(head, PoolClassifier):
+        pre = _pre_activation(head.norm) if head.norm is not None else nn.Identity()
+        return PoolLinear(pre, plain_linear(head.fc))
+    if isinstance(head, ScaleFLExit):
+        return PoolLinear(nn.Sequential(*fold_chain(list(head.body))), plain_linear(head.fc))
+    if isinstance(head, DepthFLExit):
+        return GatedPoolLinear(
+            nn.Sequential(*fold_chain(list(head.attention))),
+            nn.Sequential(*fold_chain(list(head.stack))),
+            plain_linear(head.fc),
+        )
+    if isinstance(head, TokenClassifier):
+        return TokenHead(head)
+    raise SpecError(f"export does not know the head {type(head).__name__}")
+
+
+@torch.no_grad()
+def build_standalone(net: ScalableNet, plan: OutputPlan) -> StandaloneNet:
+    """The folded, plain-torch equivalent of `net` in eval mode, returning the outputs of `plan`."""
+    if net.training:
+        raise SpecError("build the standalone module from a model in eval mode (its BN statistics are final)")
+    ends = [int(t[4:]) if t != HEAD else len(net.blocks) - 1 for t in plan.taps]
+    blocks = [convert_block(b) for b in list(net.blocks)[: max(ends) + 1]]
+    segments: list[nn.Module] = []
+    heads: list[nn.Module] = []
+    start = 0
+    for tap, end in zip(plan.taps, ends):
+        segments.append(nn.Sequential(*[b for b in blocks[start : end + 1] if b is not None]))
+        head = net.head if tap == HEAD else net.exits[tap[4:]]
+        assert head is not None
+        heads.append(convert_head(head))
+        start = end + 1
+    model = StandaloneNet(convert_stem(net.stem), segments, heads, plan).eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+def reference_outputs(net: ScalableNet, plan: OutputPlan, x: torch.Tensor) -> list[torch.Tensor]:
+    """The unfolded ScalableNet's outputs for `plan`, in the standalone graph's order and combination.
+
+    Runs only what the plan needs (no blocks after its last tap, no other exits), so it is also the
+    fair PyTorch-eager baseline for latency.
+    """
+    ends = [int(t[4:]) if t != HEAD else len(net.blocks) - 1 for t in plan.taps]
+    wanted = set(plan.taps)
+    outputs: list[torch.Tensor] = []
+    x = net.stem(x)
+    for index, block in enumerate(list(net.blocks)[: max(ends) + 1]):
+        x = block(x)
+        if f"exit{index}" in wanted:
+            outputs.append(net.exits[str(index)](x))
+    if HEAD in wanted and net.head is not None:
+        outputs.append(net.head(x))
+    if plan.combine == "mean":
+        return [torch.stack(outputs).mean(0)]
+    return outputs
