@@ -31,8 +31,9 @@ def _python(venv: Path) -> Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def _torchless_venv(cache: pytest.Cache) -> Path:
-    venv = cache.mkdir("export-infer-venv") / "venv"
+def _torchless_venv(cache: pytest.Cache | None, scratch: Path) -> Path:
+    """Reused across runs through pytest's cache; a scratch folder when the cache plugin is off."""
+    venv = (cache.mkdir("export-infer-venv") if cache is not None else scratch) / "venv"
     python = _python(venv)
     if (
         python.exists()
@@ -64,7 +65,7 @@ def test_infer_in_a_torchless_venv_matches_pytorch_top1_on_100_images(
 ) -> None:
     from PIL import Image
 
-    venv = _torchless_venv(request.config.cache)
+    venv = _torchless_venv(getattr(request.config, "cache", None), tmp_path / "scratch")
     bundle = tmp_path / "bundle"
     export_submodel(
         nefl_checkpoint,
