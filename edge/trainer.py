@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import psutil
 import torch
+from torch import nn
 
 from edge.procedures import ClientData, DeviceStore, get_procedure
 from nestling.messages import Result, Task
@@ -21,8 +23,10 @@ def task_generator(task: Task) -> torch.Generator:
 
 
 def run_task(task: Task, data: ClientData, store: DeviceStore | None = None,
-             device: torch.device | str = "cpu") -> Result:
-    """Train exactly the submodel the task names (never the full model) and package the trained slice."""
+             device: torch.device | str = "cpu", prepare: Callable[[nn.Module], None] | None = None) -> Result:
+    """Train exactly the submodel the task names (never the full model) and package the trained slice.
+
+    `prepare` may adapt the built model in place before training (the simulator compiles it)."""
     spec = SubmodelSpec.from_dict(task.spec)
     procedure = get_procedure(task.procedure)
     started = time.perf_counter()
@@ -33,6 +37,8 @@ def run_task(task: Task, data: ClientData, store: DeviceStore | None = None,
     model = build(spec, init=False)
     model.load_state_dict(task.weights, strict=True)
     model.to(device)
+    if prepare is not None:
+        prepare(model)
     local = ClientData(data.x.to(device), data.y.to(device), data.augment)
     outcome = procedure(model, local, {**task.hparams, "round": task.round}, store if store is not None else DeviceStore(),
                         task_generator(task))

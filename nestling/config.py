@@ -70,6 +70,7 @@ class RunSection:
     traces: str | None = None  # device trace file: replay on a virtual clock (docs/simulator.md)
     backend: str = "auto"  # auto (pool when workers > 1), inprocess, pool, ray
     batching: str = "off"  # train same-spec clients of a round together: off, on, auto (only when faster)
+    compile: bool = False  # torch.compile client models in the simulator's workers
 
 
 BACKENDS = ("auto", "inprocess", "pool", "ray")

@@ -21,7 +21,7 @@ from server.clock import WallClock
 from server.coordinator import Coordinator, RoundPolicy, RoundRecord
 from server.evaluation import Evaluator
 from server.fleet_config import FleetConfig, load_fleet_config
-from server.fleet_report import plot_accuracy, read_metrics, summarise, write_summary
+from server.run_report import plot_accuracy, read_metrics, summarise, write_summary
 from server.mqtt_transport import MqttTransport, TransportSettings
 from server.registry import DeviceRegistry
 from server.strategies import StrategyContext, create_strategy

@@ -11,10 +11,11 @@ from typing import Any, Protocol
 import torch
 
 from edge.procedures import ClientData, DeviceStore
-from edge.trainer import run_task
 from nestling.messages import Result, Task
+from simulator.batched import BatchPolicy, batch_key, run_tasks
 
 DataProvider = Callable[[str], ClientData]
+Job = list[tuple[Task, DeviceStore]]
 
 
 class Backend(Protocol):
@@ -26,38 +27,81 @@ class Backend(Protocol):
 
 
 class InProcessBackend:
-    """Trains tasks one after another in this process (GPU when the run's device is CUDA)."""
+    """Trains tasks in this process (GPU when the run's device is CUDA), batched or compiled per `policy`."""
 
-    def __init__(self, data_for: DataProvider, device: str = "cpu") -> None:
+    def __init__(
+        self, data_for: DataProvider, device: str = "cpu", policy: BatchPolicy | None = None
+    ) -> None:
         self.data_for = data_for
         self.device = device
+        self.policy = policy or BatchPolicy()
         self.stores: dict[str, DeviceStore] = {}
 
     def run(self, tasks: list[Task]) -> list[Result]:
-        return [run_task(t, self.data_for(t.device_id), self.stores.setdefault(t.device_id, DeviceStore()), self.device)
-                for t in tasks]
+        return run_tasks(tasks, self.data_for, self.stores, self.device, self.policy)
 
     def close(self) -> None:
         pass
 
 
-# -- process pool ---------------------------------------------------------------------------------
-_WORKER_DATA: DataProvider | None = None
-
-
-def _worker_init(factory: Callable[..., DataProvider], factory_args: dict[str, Any]) -> None:
+def single_thread() -> None:
     """One torch thread per worker: oversubscribed threads collapse training on small boxes (DESIGN.md)."""
-    global _WORKER_DATA
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    torch.set_num_interop_threads(1) if torch.get_num_interop_threads() != 1 else None
-    _WORKER_DATA = factory(**factory_args)
+    if torch.get_num_interop_threads() != 1:
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # already fixed once work ran in this process
+            pass
 
 
-def _worker_run(task: Task, store: DeviceStore) -> tuple[Result, DeviceStore]:
-    assert _WORKER_DATA is not None
-    result = run_task(task, _WORKER_DATA(task.device_id), store, "cpu")
-    return result, store
+def split_jobs(
+    tasks: list[Task], workers: int, policy: BatchPolicy, sizes: Callable[[str], int] | None = None
+) -> list[list[int]]:
+    """Task indices per job: one task each, or — when batching — each same-spec group cut into at most
+    `workers` near-equal chunks so every worker gets a share of the group to train together."""
+    if policy.mode == "off" or sizes is None:
+        return [[i] for i in range(len(tasks))]
+    groups: dict[Any, list[int]] = {}
+    for i, task in enumerate(tasks):
+        key = batch_key(task, sizes(task.device_id))
+        groups.setdefault(key if key is not None else ("single", i), []).append(i)
+    jobs: list[list[int]] = []
+    for members in groups.values():
+        parts = min(workers, len(members))
+        jobs.extend(members[p::parts] for p in range(parts))
+    return jobs
+
+
+class WorkerState:
+    """What one worker process holds: the fleet's data (rebuilt once from a factory) and its batch policy."""
+
+    def __init__(
+        self, factory: Callable[..., DataProvider], factory_args: dict[str, Any], policy: BatchPolicy
+    ) -> None:
+        single_thread()
+        self.data_for = factory(**factory_args)
+        self.policy = policy
+
+    def run(self, job: Job) -> list[tuple[Result, DeviceStore]]:
+        stores = {task.device_id: store for task, store in job}
+        results = run_tasks([task for task, _ in job], self.data_for, stores, "cpu", self.policy)
+        return [(result, stores[task.device_id]) for (task, _), result in zip(job, results)]
+
+
+_WORKER: WorkerState | None = None
+
+
+def _worker_init(
+    factory: Callable[..., DataProvider], factory_args: dict[str, Any], policy: BatchPolicy
+) -> None:
+    global _WORKER
+    _WORKER = WorkerState(factory, factory_args, policy)
+
+
+def _worker_run(job: Job) -> list[tuple[Result, DeviceStore]]:
+    assert _WORKER is not None
+    return _WORKER.run(job)
 
 
 class ProcessPoolBackend:
@@ -66,22 +110,51 @@ class ProcessPoolBackend:
     Per-device stores travel with the job and come back with the result, so any worker can serve any
     device and the pool stays balanced."""
 
-    def __init__(self, factory: Callable[..., DataProvider], factory_args: dict[str, Any], workers: int) -> None:
+    def __init__(
+        self,
+        factory: Callable[..., DataProvider],
+        factory_args: dict[str, Any],
+        workers: int,
+        policy: BatchPolicy | None = None,
+        sizes: Callable[[str], int] | None = None,
+    ) -> None:
         ctx = mp.get_context("spawn")
-        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
-                                        initargs=(factory, factory_args))
+        self.policy = policy or BatchPolicy()
+        self.pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=ctx,
+            initializer=_worker_init,
+            initargs=(factory, factory_args, self.policy),
+        )
         self.workers = workers
+        self.sizes = sizes
         self.stores: dict[str, DeviceStore] = {}
 
     def run(self, tasks: list[Task]) -> list[Result]:
-        futures = [self.pool.submit(_worker_run, t, self.stores.get(t.device_id, DeviceStore())) for t in tasks]
-        results = []
-        for task, future in zip(tasks, futures):
-            result, store = future.result()
-            if store:
-                self.stores[task.device_id] = store
-            results.append(result)
-        return results
+        jobs = split_jobs(tasks, self.workers, self.policy, self.sizes)
+        futures = [
+            self.pool.submit(
+                _worker_run, [(tasks[i], self.stores.get(tasks[i].device_id, DeviceStore())) for i in job]
+            )
+            for job in jobs
+        ]
+        return collect(tasks, jobs, [f.result() for f in futures], self.stores)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def collect(
+    tasks: list[Task],
+    jobs: list[list[int]],
+    outputs: list[list[tuple[Result, DeviceStore]]],
+    stores: dict[str, DeviceStore],
+) -> list[Result]:
+    """Results back in task order; non-empty device stores kept for the device's next task."""
+    results: list[Result | None] = [None] * len(tasks)
+    for job, output in zip(jobs, outputs):
+        for i, (result, store) in zip(job, output):
+            if store:
+                stores[tasks[i].device_id] = store
+            results[i] = result
+    return [r for r in results if r is not None]

@@ -1,71 +1,143 @@
-"""In-process transport: tasks go to a Backend; arrival times come from a duration model on the clock."""
+"""In-process transport: tasks go to a Backend; in a replay, results arrive at predicted virtual times."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
-from nestling.messages import Result, Task
+from nestling.messages import Task
 from server.clock import VirtualClock
 from server.strategies.base import DeviceInfo
 from server.transport import Delivery
 from simulator.backend import Backend
+from simulator.durations import Arrival
 
-# task → (seconds until its result arrives, or None when the device drops out before finishing)
-DurationModel = Callable[[Task, float], float | None]
+
+class SimulatedFleet(Protocol):
+    """What a replay knows about its devices over virtual time (simulator.replay.TraceReplay)."""
+
+    def online(self, device: DeviceInfo, t: float) -> DeviceInfo | None:
+        """The device as the server sees it at t (current memory budget), or None while it is offline."""
+        ...
+
+    def next_online(self, device: DeviceInfo, t: float) -> float:
+        """Earliest time >= t the device is online (inf if never again)."""
+        ...
+
+    def arrival(self, task: Task, t: float) -> Arrival:
+        """When the result of a task dispatched at t arrives, or when its device drops out."""
+        ...
+
+
+@dataclass
+class TaskEvent:
+    """One dispatched task as the replay saw it; `outcome` is used, dropped or cancelled (never trained)."""
+
+    round: int
+    device_id: str
+    spec_id: str
+    dispatched_at: float
+    ends_at: float
+    outcome: str = "pending"
+    down_s: float = 0.0  # planned phases (download and upload include one latency each)
+    compute_s: float = 0.0
+    up_s: float = 0.0
 
 
 class InProcessTransport:
     """Delivers tasks to simulated devices without a network.
 
-    Without a duration model every result arrives as soon as it is trained (wall-clock runs). With one
-    (trace replay), results arrive at predicted virtual times and only the results the coordinator
-    will use are actually trained."""
+    Without a fleet every result arrives as soon as it is trained (wall-clock runs). With one (trace
+    replay on a virtual clock), results arrive at predicted virtual times, devices that go offline are
+    reported when they do, and only the results the coordinator will use are actually trained."""
 
-    def __init__(self, devices: list[DeviceInfo], backend: Backend, clock: VirtualClock | None = None,
-                 duration: DurationModel | None = None,
-                 available: Callable[[DeviceInfo, float], bool] | None = None) -> None:
+    def __init__(
+        self,
+        devices: list[DeviceInfo],
+        backend: Backend,
+        clock: VirtualClock | None = None,
+        fleet: SimulatedFleet | None = None,
+    ) -> None:
+        if fleet is not None and clock is None:
+            raise ValueError("a simulated fleet needs the virtual clock it runs on")
         self._devices = devices
         self.backend = backend
         self.clock = clock
-        self.duration = duration
-        self.available = available
-        self.pending: list[tuple[float, Task]] = []
-        self.dropped: list[str] = []
+        self.fleet = fleet
+        self.pending: list[tuple[float, TaskEvent, Task | None]] = []  # None: a dropout event
+        self.events: list[TaskEvent] = []  # every task dispatched in a replay; drained per round
 
     def devices(self) -> list[DeviceInfo]:
-        if self.available is None or self.clock is None:
+        if self.fleet is None or self.clock is None:
             return list(self._devices)
-        now = self.clock.now()
-        return [d for d in self._devices if self.available(d, now)]
+        online = self._online(self.clock.now())
+        if not online:
+            # A real server idles until someone checks in; in virtual time that is a jump.
+            now = self.clock.now()
+            soonest = min((self.fleet.next_online(d, now) for d in self._devices), default=float("inf"))
+            if soonest != float("inf"):
+                self.clock.advance_to(soonest)
+                online = self._online(soonest)
+        return online
+
+    def _online(self, t: float) -> list[DeviceInfo]:
+        assert self.fleet is not None
+        seen = (self.fleet.online(d, t) for d in self._devices)
+        return [d for d in seen if d is not None]
 
     def dispatch(self, tasks: list[Task]) -> None:
         now = self.clock.now() if self.clock is not None else 0.0
         for task in tasks:
-            seconds = self.duration(task, now) if self.duration is not None else 0.0
-            if seconds is None:
-                self.dropped.append(task.device_id)
-            else:
-                self.pending.append((now + seconds, task))
+            arrival = self.fleet.arrival(task, now) if self.fleet is not None else Arrival(0.0)
+            event = TaskEvent(task.round, task.device_id, task.spec_id, now, now + arrival.seconds)
+            if arrival.cost is not None:
+                event.down_s, event.compute_s, event.up_s = (
+                    arrival.cost.down_s,
+                    arrival.cost.compute_s,
+                    arrival.cost.up_s,
+                )
+            if self.fleet is not None:
+                self.events.append(event)
+            self.pending.append((event.ends_at, event, None if arrival.dropped else task))
         self.pending.sort(key=lambda item: (item[0], item[1].device_id))
 
     def wait(self, deadline: float, want: int) -> Delivery:
-        delivery = Delivery(dropped=self.dropped)
-        self.dropped = []
-        due = [(t, task) for t, task in self.pending if t <= deadline][:max(0, want)]
-        if not due:
-            if self.clock is not None and self.pending and deadline != float("inf"):
-                self.clock.advance_to(deadline)
-            return delivery
-        chosen = {id(task) for _, task in due}
-        self.pending = [(t, task) for t, task in self.pending if id(task) not in chosen]
-        results: list[Result] = self.backend.run([task for _, task in due])
-        if self.clock is not None and self.duration is not None:
-            self.clock.advance_to(max(t for t, _ in due))
-        delivery.results = results
+        """Take events in time order up to `deadline` until `want` results are due; train only those."""
+        delivery = Delivery()
+        due: list[tuple[float, TaskEvent, Task]] = []
+        last = None
+        taken = 0
+        for at, event, task in self.pending:
+            if at > deadline or len(due) >= max(0, want):
+                break
+            taken += 1
+            last = at
+            if task is None:
+                event.outcome = "dropped"
+                delivery.dropped.append(event.device_id)
+            else:
+                event.outcome = "used"
+                due.append((at, event, task))
+        self.pending = self.pending[taken:]
+        if due:
+            delivery.results = self.backend.run([task for _, _, task in due])
+        if self.clock is not None and self.fleet is not None:
+            if len(due) < want and self.pending and deadline != float("inf"):
+                last = deadline  # nothing more before the deadline: the coordinator waited it out
+            if last is not None:
+                self.clock.advance_to(max(last, self.clock.now()))
         return delivery
 
     def idle(self) -> bool:
         return not self.pending
 
     def cancel(self, round_index: int) -> None:
-        self.pending = [(t, task) for t, task in self.pending if task.round != round_index]
+        for _, event, _ in self.pending:
+            if event.round == round_index:
+                event.outcome = "cancelled"
+        self.pending = [item for item in self.pending if item[1].round != round_index]
+
+    def drain_events(self) -> list[TaskEvent]:
+        """Events recorded since the last call (the replay writes them to timeline.jsonl per round)."""
+        events, self.events = self.events, []
+        return events

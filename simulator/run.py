@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,16 @@ from nestling.schedule import LrSchedule
 from server.clock import WallClock
 from server.coordinator import Coordinator, RoundPolicy, RoundRecord
 from server.evaluation import Evaluator
+from server.run_report import plot_accuracy, read_metrics, summarise, write_summary
 from server.strategies import StrategyContext, create_strategy
 from server.strategies.base import DeviceInfo
-from simulator.backend import Backend, InProcessBackend, ProcessPoolBackend
-from simulator.fleetdata import client_provider, device_id, load_fleet_data
+from simulator.backend import Backend, DataProvider, InProcessBackend, ProcessPoolBackend
+from simulator.batched import BatchPolicy
+from simulator.fleetdata import FleetData, device_id, device_index, load_fleet_data
 from simulator.inprocess import InProcessTransport
-from simulator.report import plot_accuracy, read_metrics, summarise, write_summary
+from simulator.replay import Replay, cycled_provider, fleet_size
+from simulator.replay_report import write_replay_report
+from simulator.traces import load_traces
 
 
 def partition_options(cfg: SimConfig) -> dict[str, Any]:
@@ -53,10 +58,28 @@ def resolve_workers(cfg: SimConfig) -> int:
     return cfg.run.workers or (os.cpu_count() or 1)
 
 
-def build_backend(cfg: SimConfig, fleet_data_client, workers: int) -> Backend:
-    if workers <= 1:
-        return InProcessBackend(fleet_data_client, cfg.run.device)
-    return ProcessPoolBackend(client_provider, fleet_args(cfg), workers)
+def build_backend(cfg: SimConfig, data_for: DataProvider, factory: Callable[..., DataProvider],
+                  factory_args: dict[str, Any], sizes: Callable[[str], int], workers: int) -> Backend:
+    """[run] backend: auto (a pool when there is more than one worker), inprocess, pool or ray."""
+    kind = cfg.run.backend
+    if kind == "auto":
+        kind = "pool" if workers > 1 else "inprocess"
+    policy = BatchPolicy(cfg.run.batching, cfg.run.compile)
+    if kind == "inprocess":
+        return InProcessBackend(data_for, cfg.run.device, policy)
+    if kind == "ray":
+        from simulator.ray_backend import RayBackend
+
+        return RayBackend(factory, factory_args, workers, policy, sizes)
+    return ProcessPoolBackend(factory, factory_args, workers, policy, sizes)
+
+
+def make_devices(fleet: FleetData, count: int) -> list[DeviceInfo]:
+    """`count` devices; device i holds data partition i mod partitions (labels computed once per partition)."""
+    labels = fleet.bundle.train.y
+    per_part = [(len(part), tuple(sorted(set(labels[part].tolist())))) for part in fleet.parts]
+    return [DeviceInfo(device_id(i), i, per_part[i % len(per_part)][0], labels=per_part[i % len(per_part)][1])
+            for i in range(count)]
 
 
 def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
@@ -64,39 +87,56 @@ def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
     """Run (or resume) a simulation; writes metrics.jsonl, checkpoints, summary.json and accuracy.png."""
     started = time.perf_counter()
     torch.set_num_threads(1)
+    traces = load_traces(cfg.run.traces) if cfg.run.traces else None
+    count = fleet_size(cfg.data.clients, len(traces)) if traces else cfg.data.clients
     fleet = load_fleet_data(**fleet_args(cfg))
     bundle = fleet.bundle
     channels, size, _ = bundle.input_shape
     ctx = StrategyContext(
         arch=cfg.model.arch, num_classes=bundle.num_classes, in_channels=channels, image_size=size,
-        num_clients=cfg.data.clients, total_rounds=cfg.run.rounds, seed=cfg.run.seed,
+        num_clients=count, total_rounds=cfg.run.rounds, seed=cfg.run.seed,
         schedule=LrSchedule(cfg.train.schedule, cfg.train.lr, cfg.train.gamma, tuple(cfg.train.milestones)),
-        local=local_hparams(cfg), options=dict(cfg.method.options), model_extra=dict(cfg.model.extra))
+        local=local_hparams(cfg), options=dict(cfg.method.options), model_extra=dict(cfg.model.extra),
+        dataset=bundle.name)
     strategy = create_strategy(cfg.method.name, ctx)
-    labels = bundle.train.y
-    devices = [DeviceInfo(device_id(i), i, len(part), labels=tuple(sorted(set(labels[part].tolist()))))
-               for i, part in enumerate(fleet.parts)]
-    backend = build_backend(cfg, fleet.client, resolve_workers(cfg))
-    transport = InProcessTransport(devices, backend)
+    devices = make_devices(fleet, count)
+    partitions = len(fleet.parts)
+    factory_args = {"partitions": partitions, **fleet_args(cfg)}
+    backend = build_backend(cfg, lambda device: fleet.client(device_id(device_index(device) % partitions)),
+                            cycled_provider, factory_args,
+                            lambda device: devices[device_index(device)].num_samples, resolve_workers(cfg))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    replay = None
+    if traces:
+        replay = Replay(str(cfg.run.traces), traces, devices, backend, bundle.input_shape, out_dir)
+    transport = replay.transport if replay else InProcessTransport(devices, backend)
     evaluator = Evaluator(bundle.test.x, bundle.test.y, batch_size=cfg.run.eval_batch, device=cfg.run.device,
                           calibration=bundle.train.x)
     policy = RoundPolicy(rounds=cfg.run.rounds, fraction=cfg.train.fraction, over_selection=cfg.run.over_selection,
                          quorum=cfg.run.quorum, deadline_s=cfg.run.deadline_s, eval_every=cfg.run.eval_every,
                          checkpoint_every=cfg.run.checkpoint_every, seed=cfg.run.seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    coordinator = Coordinator(strategy, transport, WallClock(), evaluator, policy, out_dir, on_round)
+    clock = replay.clock if replay else WallClock()
+    hook = replay.after_round(on_round) if replay else on_round
+    coordinator = Coordinator(strategy, transport, clock, evaluator, policy, out_dir, hook)
     if resume:
         coordinator.resume()
     elif (out_dir / "metrics.jsonl").exists():
         (out_dir / "metrics.jsonl").unlink()
+    if replay:
+        kept = read_metrics(out_dir)
+        replay.start(coordinator.start_round if resume else None, kept[-1]["virtual_time"] if kept else 0.0)
     try:
         coordinator.run()
     finally:
         backend.close()
     records = read_metrics(out_dir)
     summary = summarise(records, cfg.to_dict(), time.perf_counter() - started)
+    title = f"{cfg.method.name} · {cfg.model.arch} · {cfg.data.dataset}"
+    if replay:
+        summary["replay"] = replay.summary()
+        summary["replay"]["report"] = str(write_replay_report(out_dir, title, summary["replay"]["device_classes"]))
     write_summary(out_dir, summary)
-    plot_accuracy(out_dir, f"{cfg.method.name} · {cfg.model.arch} · {cfg.data.dataset}")
+    plot_accuracy(out_dir, title)
     return summary
 
 

@@ -137,10 +137,18 @@ class DeviceTrace:
     # --- availability: windows are closed [start, end], as FedScale's client_behave_trace ---
 
     def _cycle(self, t: float) -> tuple[float, float]:
-        """(start of the period containing t, t within it); the whole time line when not periodic."""
+        """(start of the period containing t, t within it); the whole time line when not periodic.
+
+        A t within rounding error below a cycle boundary belongs to the next cycle: `t mod period`
+        would otherwise read it as the last instant of the old cycle, so a device whose window opens
+        at the boundary looked offline there and `next_available` answered the adjacent float, with
+        no offline time in between (found by test_stretches_agree_with_point_queries).
+        """
         if self.period_s is None:
             return 0.0, t
         offset = t % self.period_s
+        if self.period_s - offset <= 4.0 * math.ulp(t):
+            return t - offset + self.period_s, 0.0
         return t - offset, offset
 
     def _window_at(self, offset: float) -> int | None:

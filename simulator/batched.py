@@ -1,0 +1,241 @@
+"""Train clients that share one submodel spec together: one vmapped step over their stacked parameters.
+
+Matches sequential `edge.trainer.run_task` to float tolerance for the plain `sgd` procedure: each
+client keeps its own data order and augmentation (its own task generator), BatchNorm normalises with
+each client's own batch statistics and updates each client's own running statistics, and SGD
+(momentum, weight decay, gradient clipping) acts per client exactly as torch.optim.SGD does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, vmap
+
+from edge.procedures import ClientData, DeviceStore
+from edge.procedures.common import batches
+from edge.trainer import run_task, task_generator
+from nestling.errors import ConfigError
+from nestling.messages import Result, Task
+from nestling.models.zoo import build
+from nestling.spec import SubmodelSpec
+
+BATCHABLE_PROCEDURES = ("sgd",)
+_HP_PER_CLIENT = ("seed", "label_set")
+
+
+def batch_key(task: Task, num_samples: int) -> tuple[Any, ...] | None:
+    """Tasks with equal keys can share one vmapped step (same spec, procedure, shapes, optimiser)."""
+    if task.procedure not in BATCHABLE_PROCEDURES:
+        return None
+    shared = sorted((k, repr(v)) for k, v in task.hparams.items() if k not in _HP_PER_CLIENT)
+    return (task.spec_id, task.procedure, task.round, num_samples, tuple(shared))
+
+
+def _client_batches(
+    tasks: list[Task], datas: list[ClientData]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each client's own mini-batches in lock-step, stacked on a leading client dimension."""
+    streams = [
+        batches(data, {**task.hparams, "round": task.round}, task_generator(task))
+        for task, data in zip(tasks, datas)
+    ]
+    for step in zip(*streams):
+        yield torch.stack([x for x, _ in step]), torch.stack([y for _, y in step])
+
+
+def _class_mask(tasks: list[Task], y: torch.Tensor, num_classes: int) -> torch.Tensor | None:
+    """HeteroFL/FeDepth masked CE (edge.procedures.common.cross_entropy), one mask row per client."""
+    if not tasks[0].hparams.get("masked_ce"):
+        return None
+    rows = []
+    for k, task in enumerate(tasks):
+        label_set = task.hparams.get("label_set")
+        present = torch.zeros(num_classes, dtype=torch.bool, device=y.device)
+        present[torch.as_tensor(label_set, device=y.device) if label_set is not None else y[k]] = True
+        rows.append(present)
+    return torch.stack(rows)
+
+
+class _SgdState:
+    """torch.optim.SGD's update, applied to K clients' stacked parameters at once."""
+
+    def __init__(self, hp: dict[str, Any]) -> None:
+        self.lr = float(hp.get("lr", 0.1))
+        self.momentum = float(hp.get("momentum", 0.0))
+        self.weight_decay = float(hp.get("weight_decay", 0.0))
+        self.clip = hp.get("grad_clip")
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, params: dict[str, torch.Tensor]) -> None:
+        live = {name: (p, p.grad) for name, p in params.items() if p.grad is not None}
+        if self.clip:
+            # clip_grad_norm_ per client: the total 2-norm over that client's gradients.
+            norms = torch.stack([g.flatten(1).norm(2, dim=1) for _, g in live.values()], dim=1)
+            coef = (float(self.clip) / (norms.norm(2, dim=1) + 1e-6)).clamp(max=1.0)
+            for p, g in live.values():
+                g.mul_(coef.view(-1, *([1] * (p.dim() - 1))))
+        for name, (p, g) in live.items():
+            grad = g if self.weight_decay == 0 else g.add(p, alpha=self.weight_decay)
+            if self.momentum != 0:
+                buf = self.buffers.get(name)
+                if buf is None:
+                    buf = self.buffers[name] = grad.clone()
+                else:
+                    buf.mul_(self.momentum).add_(grad)
+                grad = buf
+            p.add_(grad, alpha=-self.lr)
+            p.grad = None
+
+
+def train_batched(
+    tasks: list[Task], datas: list[ClientData], device: torch.device | str = "cpu"
+) -> list[Result]:
+    """Train same-key tasks (see `batch_key`) together; results in task order, as run_task makes them."""
+    started = time.perf_counter()
+    spec = SubmodelSpec.from_dict(tasks[0].spec)
+    hp = {**tasks[0].hparams, "round": tasks[0].round}
+    template = build(spec, device="meta")
+    template.train()
+    names = list(template.state_dict().keys())
+    param_names = {name for name, _ in template.named_parameters()}
+    trainable = {name for name, p in template.named_parameters() if p.requires_grad}
+    stacked = {name: torch.stack([t.weights[name] for t in tasks]).to(device) for name in names}
+    params = {n: stacked[n].requires_grad_(n in trainable) for n in names if n in param_names}
+    buffers = {n: stacked[n] for n in names if n not in param_names}
+    local = [ClientData(d.x.to(device), d.y.to(device), d.augment) for d in datas]
+    num_classes = spec.model.num_classes
+
+    def client_loss(
+        p: dict[str, torch.Tensor],
+        b: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        out = functional_call(template, (p, b), (x,))
+        logits = out[-1] if isinstance(out, list) else out
+        if mask is not None:
+            logits = logits.masked_fill(~mask, 0.0)
+        return F.cross_entropy(logits, y)
+
+    masked = bool(hp.get("masked_ce"))
+    per_client = vmap(client_loss, in_dims=(0, 0, 0, 0, 0 if masked else None))
+    sgd = _SgdState(hp)
+    losses: list[torch.Tensor] = []
+    for x, y in _client_batches(tasks, local):
+        loss = per_client(params, buffers, x, y, _class_mask(tasks, y, num_classes))
+        loss.sum().backward()
+        sgd.step(params)
+        losses.append(loss.detach())
+    curves = torch.stack(losses, dim=1).tolist() if losses else [[] for _ in tasks]
+    seconds = (time.perf_counter() - started) / len(tasks)
+    results = []
+    for k, (task, data) in enumerate(zip(tasks, datas)):
+        weights = {n: stacked[n][k].detach().to("cpu").clone() for n in names}
+        curve = curves[k]
+        metrics: dict[str, Any] = {
+            "train_seconds": seconds,
+            "loss_first": curve[0] if curve else None,
+            "loss_last": curve[-1] if curve else None,
+            "loss_mean": sum(curve) / len(curve) if curve else None,
+            "steps": len(curve),
+            "peak_memory_bytes": 0,
+            "peak_memory_kind": "not_measured_batched",
+            "untouched": [],
+            "batched_with": len(tasks),
+        }
+        results.append(
+            Result(
+                round=task.round,
+                device_id=task.device_id,
+                task_id=task.task_id,
+                spec_id=spec.id,
+                weights=weights,
+                num_samples=len(data),
+                metrics=metrics,
+                model_id=task.model_id,
+            )
+        )
+    return results
+
+
+class BatchPolicy:
+    """How a worker trains a round's tasks. Batching "off", "on", or "auto": time both ways per spec and
+    keep whichever trained more samples per second (batching only when faster); the first group each way
+    is a warm-up (compilation, allocator) and is not counted. `compile`: torch.compile each sequentially
+    trained model (fused kernels; worth it for long runs with few specs)."""
+
+    def __init__(self, mode: str = "off", compile: bool = False) -> None:
+        if mode not in ("off", "on", "auto"):
+            raise ConfigError(f"[run] batching must be off, on or auto, got '{mode}'")
+        self.mode = mode
+        self.compile = compile
+        self.speed: dict[tuple[str, bool], float] = {}  # (spec id, batched) → samples per second
+        self.warmed: set[tuple[str, bool]] = set()
+
+    def batched(self, spec_id: str) -> bool:
+        if self.mode != "auto":
+            return self.mode == "on"
+        for way in (False, True):
+            if (spec_id, way) not in self.speed:
+                return way
+        return self.speed[(spec_id, True)] > self.speed[(spec_id, False)]
+
+    def record(self, spec_id: str, batched: bool, samples: int, seconds: float) -> None:
+        key = (spec_id, batched)
+        if self.mode != "auto" or key in self.speed or seconds <= 0:
+            return
+        if key not in self.warmed:
+            self.warmed.add(key)
+            return
+        self.speed[key] = samples / seconds
+
+
+def compile_module(model: torch.nn.Module) -> None:
+    """Compile in place; a fresh module of an already seen spec reuses the compiled graphs."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1  # one core per worker, also while compiling
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    model.compile()
+
+
+def run_tasks(
+    tasks: list[Task],
+    data_for: Callable[[str], ClientData],
+    stores: dict[str, DeviceStore],
+    device: torch.device | str,
+    policy: BatchPolicy,
+) -> list[Result]:
+    """Train tasks, grouping batchable ones per `policy`; results come back in task order."""
+    datas = [data_for(t.device_id) for t in tasks]
+    groups: dict[Any, list[int]] = {}
+    for i, (task, data) in enumerate(zip(tasks, datas)):
+        key = batch_key(task, len(data)) if policy.mode != "off" else None
+        groups.setdefault(key if key is not None else ("single", i), []).append(i)
+    results: list[Result | None] = [None] * len(tasks)
+    for key, members in groups.items():
+        group = [tasks[i] for i in members]
+        use_batch = key[0] != "single" and len(members) > 1 and policy.batched(group[0].spec_id)
+        started = time.perf_counter()
+        if use_batch:
+            trained = train_batched(group, [datas[i] for i in members], device)
+        else:
+            prepare = compile_module if policy.compile else None
+            trained = [
+                run_task(t, datas[i], stores.setdefault(t.device_id, DeviceStore()), device, prepare)
+                for t, i in zip(group, members)
+            ]
+        if key[0] != "single" and len(members) > 1:
+            samples = sum(len(datas[i]) for i in members)
+            policy.record(group[0].spec_id, use_batch, samples, time.perf_counter() - started)
+        for i, result in zip(members, trained):
+            results[i] = result
+    return [r for r in results if r is not None]
