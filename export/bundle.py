@@ -5,24 +5,18 @@ Imported by `export.infer` on boards without PyTorch: this module needs only the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 from nestling.errors import DataError
+from nestling.hashing import sha256_file
 
 BUNDLE_FORMAT = 1
 MANIFEST_NAME = "bundle.json"
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_bundle(folder: Path, manifest: dict[str, Any], files: list[str]) -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,16 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nestling.errors import ConfigError
+from nestling.hashing import sha256_file
 
 CHECKPOINT_FORMAT = 1
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def save_checkpoint(root: Path, round_index: int, tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
@@ -36,7 +30,7 @@ def save_checkpoint(root: Path, round_index: int, tensors: dict[str, torch.Tenso
     tmp.mkdir()
     weights = tmp / "global.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights))
-    body = {**manifest, "format": CHECKPOINT_FORMAT, "round": round_index, "weights_sha256": _sha256(weights)}
+    body = {**manifest, "format": CHECKPOINT_FORMAT, "round": round_index, "weights_sha256": sha256_file(weights)}
     with (tmp / "manifest.json").open("w") as fh:
         json.dump(body, fh, indent=1, sort_keys=True)
         fh.flush()
@@ -72,7 +66,7 @@ def latest_checkpoint(root: Path) -> Path | None:
             body = json.loads(manifest.read_text())
         except json.JSONDecodeError:
             continue
-        if body.get("weights_sha256") == _sha256(weights):
+        if body.get("weights_sha256") == sha256_file(weights):
             return candidate
     return None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from nestling.errors import DataError, DependencyError
+from nestling.hashing import sha256_file
 
 WEBP_KEYS = ("x_webp", "offsets", "shape", "y")
 
@@ -25,12 +25,6 @@ def default_cache_dir() -> Path:
     return Path(base) / "nestling"
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def decode_webp_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +66,7 @@ def cached_webp_decode(path: Path, cache_dir: Path | None = None) -> tuple[np.nd
     cache directory; keying by content (not path) keeps a changed source from hitting a stale entry.
     """
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cached = folder / "webp-decoded" / f"{file_sha256(path)}.npz"
+    cached = folder / "webp-decoded" / f"{sha256_file(path)}.npz"
     if cached.is_file():
         try:
             with np.load(cached) as plain:
