@@ -189,6 +189,8 @@ def test_hostile_messages_are_all_refused_and_the_global_model_is_unchanged(runn
     # Still serving: honest boards come back and their results of the next round are applied.
     for index, board in enumerate(boards):
         board.hello(index=index, tier=4 * index)
+    # Registration is asynchronous: start the round only once the server sees every board again.
+    wait_until(lambda: len(transport.devices()) == len(boards), 30, "the boards to register again")
     with ThreadPoolExecutor(1) as pool:
         round_one = pool.submit(coordinator.run_round, 1)
         for board in boards:
