@@ -116,12 +116,8 @@ def simulate_main(argv: list[str]) -> int:
 
 
 def demo_main(argv: list[str]) -> int:
-    """The main job on the embedded default: a fleet demo when available, else an in-process NeFL-WD run."""
-    module = importlib.util.find_spec("server.fleet_demo")
-    if module is not None:
-        return _run_external("server.fleet_demo", "demo_main", argv)
-    return simulate_main(["--method", "nefl-wd", "--model", "resnet20", "--dataset", "digits", "--clients", "10",
-                          "--fraction", "0.5", "--rounds", "10", "--eval-every", "5", "--out", "runs/demo", *argv])
+    """The main job on the embedded default: embedded broker, a server and four agents of unequal budgets."""
+    return _run_external("server.fleet_demo", "demo_main", argv)
 
 
 def _run_external(module: str, function: str, argv: list[str]) -> int:
