@@ -72,9 +72,3 @@ def _aggregate_key(old: torch.Tensor, key: str, group: list[Contribution]) -> to
     result = torch.where(covered, acc / count.clamp_min(1e-12), old.to(acc.dtype))
     return result.to(old.dtype)
 
-
-def uniform_contributions(states: list[dict[str, torch.Tensor]], regions: list[dict[str, Region]],
-                          weights: list[float] | None = None) -> list[Contribution]:
-    """Pair client states with their regions (and optional weights) for `masked_mean`."""
-    weights = weights or [1.0] * len(states)
-    return [Contribution(s, r, w) for s, r, w in zip(states, regions, weights)]

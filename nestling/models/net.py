@@ -66,7 +66,3 @@ class ScalableNet(nn.Module):
             x = block(x)
         return x
 
-
-def final_logits(output: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-    """The deepest prediction of a forward output (the last exit or the head)."""
-    return output[-1] if isinstance(output, list) else output

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nestling.aggregation import Contribution, masked_mean, uniform_contributions
+from nestling.aggregation import Contribution, masked_mean
 
 
 def region_of(shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -125,10 +125,9 @@ def test_integer_counters_are_not_float_averaged() -> None:
     assert result.dtype == torch.int64 and int(result) == 9
 
 
-def test_uniform_contributions_pairs_states_regions_and_default_weights() -> None:
-    states = [{"w": torch.ones(2)}, {"w": torch.zeros(2)}]
-    regions = [{"w": region_of((2,))}, {"w": region_of((2,))}]
-    assert [c.weight for c in uniform_contributions(states, regions)] == [1.0, 1.0]
-    assert [c.weight for c in uniform_contributions(states, regions, [3.0, 1.0])] == [3.0, 1.0]
-    weighted = masked_mean({"w": torch.zeros(2)}, uniform_contributions(states, regions, [3.0, 1.0]))["w"]
+def test_data_weights_enter_the_mean() -> None:
+    """a_k = n_k (FjORD, FedAvg): a client with three times the data counts three times."""
+    contributions = [Contribution({"w": torch.ones(2)}, {"w": region_of((2,))}, 3.0),
+                     Contribution({"w": torch.zeros(2)}, {"w": region_of((2,))}, 1.0)]
+    weighted = masked_mean({"w": torch.zeros(2)}, contributions)["w"]
     torch.testing.assert_close(weighted, torch.full((2,), 0.75))
