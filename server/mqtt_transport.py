@@ -153,6 +153,11 @@ class MqttTransport:
         return sorted(self.registry.available(), key=lambda d: d.device_id)
 
     def dispatch(self, tasks: list[Task]) -> None:
+        if tasks:
+            # Announce the round before its tasks: an agent resends a result when it sees its round announced
+            # (a re-announcement after an outage), so an announcement arriving after a fast answer would
+            # trigger a needless duplicate upload.
+            self.publish_status("training", tasks[0].round)
         for task in tasks:
             self.current_round = task.round
             payload = encode_task(task, self.session)
@@ -166,7 +171,6 @@ class MqttTransport:
             self._send_task(entry)
         self._forget_before(self.current_round)
         self.counters["dispatched"] += len(tasks)
-        self.publish_status("training", self.current_round)
 
     def _send_task(self, entry: Dispatched) -> None:
         for frame in entry.frames:

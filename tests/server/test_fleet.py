@@ -34,7 +34,7 @@ def check_run(tmp_path, summary: dict) -> None:
     assert all(r["aggregated"] and r["accepted"] == AGENTS for r in records)
     assert summary["rounds"] == 3 and len(summary["submodels"]) == 5
     assert summary["transport"]["accepted"] == 3 * AGENTS
-    assert not any(k.startswith("rejected_") for k in summary["transport"])
+    assert not {k: v for k, v in summary["transport"].items() if k.startswith("rejected_")}
     assert (tmp_path / "out" / "checkpoints" / "round-000002" / "manifest.json").is_file()
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["rounds"] == 3
     assert records[-1]["bytes_up"] > 0 and records[-1]["train_loss"] is not None
