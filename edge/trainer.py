@@ -9,6 +9,7 @@ import psutil
 import torch
 from torch import nn
 
+from edge.execution import apply_memory_format, task_precision
 from edge.procedures import ClientData, DeviceStore, get_procedure
 from nestling.messages import Result, Task
 from nestling.models.zoo import build
@@ -37,12 +38,14 @@ def run_task(task: Task, data: ClientData, store: DeviceStore | None = None,
     model = build(spec, init=False)
     model.load_state_dict(task.weights, strict=True)
     model.to(device)
+    hp = {**task.hparams, "round": task.round}
+    apply_memory_format(model, hp)
     if prepare is not None:
         prepare(model)
     local = ClientData(data.x.to(device), data.y.to(device), data.augment)
-    outcome = procedure(model, local, {**task.hparams, "round": task.round}, store if store is not None else DeviceStore(),
-                        task_generator(task))
-    trained = {k: v.detach().to("cpu") for k, v in outcome.model.state_dict().items()}
+    with task_precision(hp, device):
+        outcome = procedure(model, local, hp, store if store is not None else DeviceStore(), task_generator(task))
+    trained = {k: v.detach().to("cpu").contiguous() for k, v in outcome.model.state_dict().items()}
     for key in outcome.untouched:
         trained.pop(key, None)
     seconds = time.perf_counter() - started

@@ -53,6 +53,22 @@ class TrainSection:
     momentum: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float | None = None
+    precision: str = "fp32"  # fp32, or bf16: forward under autocast (CPUs with AMX/AVX-512 BF16, Jetson Orin)
+    channels_last: bool = False  # NHWC weights and activations (oneDNN and cuDNN run convolutions faster)
+
+    def local_hparams(self) -> dict[str, Any]:
+        """What every task of a run carries for local training (strategies add their own on top)."""
+        hp: dict[str, Any] = {"local_epochs": self.local_epochs, "batch_size": self.batch_size,
+                              "momentum": self.momentum, "weight_decay": self.weight_decay}
+        if self.local_steps is not None:
+            hp["local_steps"] = self.local_steps
+        if self.grad_clip is not None:
+            hp["grad_clip"] = self.grad_clip
+        if self.precision != "fp32":  # only when set, so fp32 tasks stay exactly as before
+            hp["precision"] = self.precision
+        if self.channels_last:
+            hp["channels_last"] = True
+        return hp
 
 
 @dataclass
@@ -75,6 +91,7 @@ class RunSection:
 
 BACKENDS = ("auto", "inprocess", "pool", "ray")
 BATCHING = ("off", "on", "auto")
+PRECISIONS = ("fp32", "bf16")  # edge.execution.PRECISIONS; nestling/ does not import edge/
 
 
 @dataclass
@@ -102,6 +119,7 @@ class SimConfig:
             (self.data.alpha > 0, "[data] alpha must be > 0"),
             (self.run.backend in BACKENDS, f"[run] backend must be one of {', '.join(BACKENDS)}"),
             (self.run.batching in BATCHING, f"[run] batching must be one of {', '.join(BATCHING)}"),
+            (self.train.precision in PRECISIONS, f"[train] precision must be one of {', '.join(PRECISIONS)}"),
         ]
         for ok, message in checks:
             if not ok:

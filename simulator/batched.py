@@ -1,4 +1,4 @@
-"""Train clients that share one submodel spec together: one vmapped step over their stacked parameters.
+"""Train clients that share one submodel spec together: one step over all of them.
 
 Matches sequential `edge.trainer.run_task` to float tolerance for the plain `sgd` procedure: each
 client keeps its own data order and augmentation (its own task generator), BatchNorm normalises with
@@ -16,13 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
+from edge.execution import apply_memory_format, task_precision
 from edge.procedures import ClientData, DeviceStore
-from edge.procedures.common import batches
+from edge.procedures.common import batches, make_optimizer
 from edge.trainer import run_task, task_generator
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
+from simulator.grouped import GroupedClients, groupable, per_client_clip, per_client_cross_entropy
 
 BATCHABLE_PROCEDURES = ("sgd",)
 _HP_PER_CLIENT = ("seed", "label_set")
@@ -94,51 +96,28 @@ class _SgdState:
 
 
 def train_batched(
-    tasks: list[Task], datas: list[ClientData], device: torch.device | str = "cpu"
+    tasks: list[Task], datas: list[ClientData], device: torch.device | str = "cpu", how: str = "auto"
 ) -> list[Result]:
-    """Train same-key tasks (see `batch_key`) together; results in task order, as run_task makes them."""
+    """Train same-key tasks (see `batch_key`) together; results in task order, as run_task makes them.
+
+    how="auto": convolutional models train as one grouped network (simulator.grouped), others through
+    vmap; "grouped" or "vmap" force one way (tests, benchmarks)."""
+    if how not in ("auto", "grouped", "vmap"):
+        raise ValueError(f"how must be auto, grouped or vmap, got {how!r}")
     started = time.perf_counter()
     spec = SubmodelSpec.from_dict(tasks[0].spec)
     hp = {**tasks[0].hparams, "round": tasks[0].round}
-    template = build(spec, device="meta")
-    template.train()
-    names = list(template.state_dict().keys())
-    param_names = {name for name, _ in template.named_parameters()}
-    trainable = {name for name, p in template.named_parameters() if p.requires_grad}
-    stacked = {name: torch.stack([t.weights[name] for t in tasks]).to(device) for name in names}
-    params = {n: stacked[n].requires_grad_(n in trainable) for n in names if n in param_names}
-    buffers = {n: stacked[n] for n in names if n not in param_names}
+    template = build(spec, init=False)
     local = [ClientData(d.x.to(device), d.y.to(device), d.augment) for d in datas]
-    num_classes = spec.model.num_classes
-
-    def client_loss(
-        p: dict[str, torch.Tensor],
-        b: dict[str, torch.Tensor],
-        x: torch.Tensor,
-        y: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        out = functional_call(template, (p, b), (x,))
-        logits = out[-1] if isinstance(out, list) else out
-        if mask is not None:
-            logits = logits.masked_fill(~mask, 0.0)
-        return F.cross_entropy(logits, y)
-
-    masked = bool(hp.get("masked_ce"))
-    per_client = vmap(client_loss, in_dims=(0, 0, 0, 0, 0 if masked else None))
-    sgd = _SgdState(hp)
-    losses: list[torch.Tensor] = []
-    for x, y in _client_batches(tasks, local):
-        loss = per_client(params, buffers, x, y, _class_mask(tasks, y, num_classes))
-        loss.sum().backward()
-        sgd.step(params)
-        losses.append(loss.detach())
-    curves = torch.stack(losses, dim=1).tolist() if losses else [[] for _ in tasks]
+    if how == "grouped" or (how == "auto" and groupable(template)):
+        states, curves = _train_grouped(template, tasks, local, hp, device)
+        how = "grouped"
+    else:
+        states, curves = _train_vmapped(spec, tasks, local, hp, device)
+        how = "vmap"
     seconds = (time.perf_counter() - started) / len(tasks)
     results = []
-    for k, (task, data) in enumerate(zip(tasks, datas)):
-        weights = {n: stacked[n][k].detach().to("cpu").clone() for n in names}
-        curve = curves[k]
+    for task, data, weights, curve in zip(tasks, datas, states, curves):
         metrics: dict[str, Any] = {
             "train_seconds": seconds,
             "loss_first": curve[0] if curve else None,
@@ -149,6 +128,7 @@ def train_batched(
             "peak_memory_kind": "not_measured_batched",
             "untouched": [],
             "batched_with": len(tasks),
+            "batched_how": how,
         }
         results.append(
             Result(
@@ -163,6 +143,88 @@ def train_batched(
             )
         )
     return results
+
+
+def _train_grouped(
+    template: torch.nn.Module,
+    tasks: list[Task],
+    datas: list[ClientData],
+    hp: dict[str, Any],
+    device: torch.device | str,
+) -> tuple[list[dict[str, torch.Tensor]], list[list[float]]]:
+    """One grouped network of all clients; torch.optim.SGD on it is each client's own SGD."""
+    group = GroupedClients(template, [t.weights for t in tasks])
+    net = group.net.to(device)
+    apply_memory_format(net, hp)
+    net.train()
+    params = [p for p in net.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, hp)
+    clip = hp.get("grad_clip")
+    num_classes = SubmodelSpec.from_dict(tasks[0].spec).model.num_classes
+    losses: list[torch.Tensor] = []
+    for x, y in _client_batches(tasks, datas):
+        mask = _class_mask(tasks, y, num_classes)
+        grouped_x = group.inputs(x)
+        if hp.get("channels_last"):
+            grouped_x = grouped_x.contiguous(memory_format=torch.channels_last)
+        with task_precision(hp, device):
+            out = net(grouped_x)
+            logits = out[-1] if isinstance(out, list) else out
+            loss = per_client_cross_entropy(group.per_client(logits), y, mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.sum().backward()
+        if clip:
+            per_client_clip(params, group.k, float(clip))
+        optimizer.step()
+        losses.append(loss.detach())
+    curves = torch.stack(losses, dim=1).tolist() if losses else [[] for _ in tasks]
+    return group.client_states(), curves
+
+
+def _train_vmapped(
+    spec: SubmodelSpec,
+    tasks: list[Task],
+    datas: list[ClientData],
+    hp: dict[str, Any],
+    device: torch.device | str,
+) -> tuple[list[dict[str, torch.Tensor]], list[list[float]]]:
+    """torch.func over stacked parameters: any architecture, slower than grouping on CPU."""
+    template = build(spec, device="meta")
+    template.train()
+    names = list(template.state_dict().keys())
+    param_names = {name for name, _ in template.named_parameters()}
+    trainable = {name for name, p in template.named_parameters() if p.requires_grad}
+    stacked = {name: torch.stack([t.weights[name] for t in tasks]).to(device) for name in names}
+    params = {n: stacked[n].requires_grad_(n in trainable) for n in names if n in param_names}
+    buffers = {n: stacked[n] for n in names if n not in param_names}
+    num_classes = spec.model.num_classes
+
+    def client_loss(
+        p: dict[str, torch.Tensor],
+        b: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        out = functional_call(template, (p, b), (x,))
+        logits = out[-1] if isinstance(out, list) else out
+        if mask is not None:
+            logits = logits.masked_fill(~mask, 0.0)
+        return F.cross_entropy(logits.float(), y)
+
+    masked = bool(hp.get("masked_ce"))
+    per_client = vmap(client_loss, in_dims=(0, 0, 0, 0, 0 if masked else None))
+    sgd = _SgdState(hp)
+    losses: list[torch.Tensor] = []
+    for x, y in _client_batches(tasks, datas):
+        with task_precision(hp, device):
+            loss = per_client(params, buffers, x, y, _class_mask(tasks, y, num_classes))
+        loss.sum().backward()
+        sgd.step(params)
+        losses.append(loss.detach())
+    curves = torch.stack(losses, dim=1).tolist() if losses else [[] for _ in tasks]
+    states = [{n: stacked[n][k].detach().to("cpu").clone() for n in names} for k in range(len(tasks))]
+    return states, curves
 
 
 class BatchPolicy:

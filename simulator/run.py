@@ -43,13 +43,7 @@ def fleet_args(cfg: SimConfig) -> dict[str, Any]:
 
 
 def local_hparams(cfg: SimConfig) -> dict[str, Any]:
-    hp: dict[str, Any] = {"local_epochs": cfg.train.local_epochs, "batch_size": cfg.train.batch_size,
-                          "momentum": cfg.train.momentum, "weight_decay": cfg.train.weight_decay}
-    if cfg.train.local_steps is not None:
-        hp["local_steps"] = cfg.train.local_steps
-    if cfg.train.grad_clip is not None:
-        hp["grad_clip"] = cfg.train.grad_clip
-    return hp
+    return cfg.train.local_hparams()
 
 
 def resolve_workers(cfg: SimConfig) -> int:
