@@ -39,6 +39,11 @@ def config_for(method: str, args: argparse.Namespace, rounds: int, model: str) -
 
 def run_method(method: str, args: argparse.Namespace, out_root: Path) -> dict:
     model = "preresnet20" if method in ("fedepth", "m-fedepth") or args.preresnet else args.model
+    if args.rounds:  # equal rounds for every method: the fair comparison when round costs differ
+        started = time.perf_counter()
+        summary = run_simulation(load_config(None, config_for(method, args, args.rounds, model)), out_root / method)
+        summary["bench_minutes"] = (time.perf_counter() - started) / 60
+        return summary
     probe = run_simulation(load_config(None, {**config_for(method, args, 1, model), "data.limit_test": 500}),
                            out_root / f"{method}-probe")
     per_round = probe["train_seconds"] + 1.0
@@ -57,6 +62,8 @@ def main() -> None:
     parser.add_argument("--model", default="resnet20")
     parser.add_argument("--preresnet", action="store_true", help="use PreResNet-20 for every method")
     parser.add_argument("--minutes", type=float, default=25.0)
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="run exactly this many rounds per method instead of a time budget")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-cifar10"))
     args = parser.parse_args()
