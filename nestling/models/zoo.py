@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,9 @@ from nestling.models.blocks import BasicBlock, EncoderBlock, PreActBlock
 from nestling.models.context import BuildContext
 from nestling.models.heads import PoolClassifier, TokenClassifier, make_exit
 from nestling.models.net import BlockInfo, ScalableNet
-from nestling.spec import SubmodelSpec
+
+if TYPE_CHECKING:  # nestling.spec imports nestling.models: a runtime import here would be circular
+    from nestling.spec import SubmodelSpec
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def vit_block_infos(model_extra: dict, image_size: int) -> tuple[BlockInfo, ...]
 
 def block_infos(spec_or_arch: SubmodelSpec | str, image_size: int = 32, extra: dict | None = None) -> tuple[BlockInfo, ...]:
     """Global geometry of every block of an architecture."""
-    if isinstance(spec_or_arch, SubmodelSpec):
+    if not isinstance(spec_or_arch, str):  # a SubmodelSpec
         model = spec_or_arch.model
         return block_infos(model.arch, model.image_size, model.extra)
     if spec_or_arch in CONV_FAMILIES:

@@ -71,3 +71,12 @@ def test_nefl_parameter_fraction_maps_to_channel_ratio_sqrt() -> None:
     assert math.isclose(width_from_param_fraction(0.2) ** 2, 0.2)
     with pytest.raises(SpecError):
         width_from_param_fraction(0.0)
+
+
+def test_spec_module_imports_on_its_own() -> None:
+    """nestling.spec → nestling.models → zoo must not need a half-initialised nestling.spec."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import nestling.spec"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
