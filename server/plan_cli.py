@@ -99,5 +99,7 @@ def plan_main(argv: list[str]) -> int:
         return 2
     _write_json(args.out, plan_to_json(args.method, rows, batch, model=args.model, **extra))
     console.print(_plan_table(args.method, rows))
+    for key, value in extra.get("strategy_options", {}).items():  # how to train exactly this plan
+        console.print(f"train these levels: --set method.{key}='{json.dumps(value)}'", soft_wrap=True)
     console.print(f"plan written to {args.out}")
     return 0

@@ -64,7 +64,9 @@ def _scalefl_plan(arch: str, shape: tuple[int, int, int], classes: int, devices:
     extra = {"levels": [{"width": lv.width, "depth": lv.depth, "memory_bytes": lv.memory_bytes,
                          "target_bytes": lv.target_bytes} for lv in found]
              + [{"width": 1.0, "depth": None, "memory_bytes": estimate(specs[-1], batch).training_bytes,
-                 "target_bytes": full}]}
+                 "target_bytes": full}],
+             # What the ScaleFL strategy takes to train exactly these levels: --set method.grid='...'
+             "strategy_options": {"grid": [[lv.width, lv.depth] for lv in found]}}
     return rows, extra
 
 

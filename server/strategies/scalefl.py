@@ -11,11 +11,12 @@ from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.spec import SubmodelSpec
 from server.strategies.base import DeviceInfo, EvalTarget, Strategy
-from server.strategies.scalefl_split import Level, search_levels
+from server.strategies.scalefl_split import Level, explicit_levels, search_levels
 
 
 class ScaleFL(Strategy):
-    """Level l keeps blocks [0, d_l) at width s_w,l, exits 1..l; levels come from the grid search.
+    """Level l keeps blocks [0, d_l) at width s_w,l, exits 1..l; levels come from the grid search over
+    parameter-count fractions (`levels`), or are given (`grid`, e.g. from `nestling plan --method scalefl`).
 
     Level assignment: fixed shares over a seeded permutation of client indices (the reference setting);
     the planner may instead assign by measured budgets. Aggregation counts only tensors that received a
@@ -25,16 +26,21 @@ class ScaleFL(Strategy):
     procedure = "scalefl-sd"
     partial_uploads = True
     option_defaults: ClassVar[dict[str, Any]] = {"levels": (0.125, 0.25, 0.5, 1.0), "kd_gamma": 0.0,
-                                                 "kd_temperature": 3.0, "tolerance": 0.05}
+                                                 "kd_temperature": 3.0, "tolerance": 0.05,
+                                                 "grid": None}
 
     def make_model_config(self) -> ModelConfig:
-        fractions = tuple(float(f) for f in self.options["levels"])
-        if not fractions or fractions[-1] != 1.0 or sorted(fractions) != list(fractions):
-            raise ConfigError(f"[method] ScaleFL levels must rise to 1.0, got {list(fractions)}")
         base = self.ctx.model_config(exit_kind="scalefl", scaler="always", norm_stats="batch", rounding="floor")
         num_blocks = len(block_infos(base.arch, base.image_size, base.extra))
-        self.levels: list[Level] = search_levels(base, fractions, num_blocks=num_blocks,
-                                                 tolerance=float(self.options["tolerance"]))
+        self.levels: list[Level]
+        if self.options.get("grid") is not None:
+            self.levels = explicit_levels(self.options["grid"], num_blocks=num_blocks)
+        else:
+            fractions = tuple(float(f) for f in self.options["levels"])
+            if not fractions or fractions[-1] != 1.0 or sorted(fractions) != list(fractions):
+                raise ConfigError(f"[method] ScaleFL levels must rise to 1.0, got {list(fractions)}")
+            self.levels = search_levels(base, fractions, num_blocks=num_blocks,
+                                        tolerance=float(self.options["tolerance"]))
         return base.with_(exit_points=tuple(level.depth - 1 for level in self.levels[:-1]))
 
     def setup(self) -> None:

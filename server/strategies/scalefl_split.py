@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -79,5 +80,28 @@ def search_levels(model: ModelConfig, fractions: tuple[float, ...], *, num_block
         picked = best[2] if best is not None else fallback[1]  # type: ignore[index]
         levels.append(picked)
         chosen_exits.append(picked.depth - 1)
+    levels.append(Level(1.0, num_blocks, 1.0))
+    return levels
+
+
+def explicit_levels(grid: Any, *, num_blocks: int) -> list[Level]:
+    """Levels given as [[width, depth], ...] below the full model (what `nestling plan --method scalefl`
+    derives from measured memory budgets); the full model is appended as the top level."""
+    if not isinstance(grid, (list, tuple)) or not grid:
+        raise ConfigError(f"[method] ScaleFL grid must be a list of [width, depth] pairs, got {grid!r}")
+    levels: list[Level] = []
+    for pair in grid:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise ConfigError(f"[method] ScaleFL grid entries are [width, depth] pairs, got {pair!r}")
+        width, depth = pair
+        if isinstance(width, bool) or not isinstance(width, (int, float)) or not 0 < float(width) <= 1:
+            raise ConfigError(f"[method] ScaleFL grid width must be in (0, 1], got {width!r}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= num_blocks:
+            raise ConfigError(f"[method] ScaleFL grid depth must be an integer in [1, {num_blocks}] "
+                              f"(blocks kept; the full model is added on top), got {depth!r}")
+        if levels and depth <= levels[-1].depth:
+            raise ConfigError(f"[method] ScaleFL grid depths must rise (each level exits after a later block), "
+                              f"got {depth} after {levels[-1].depth}")
+        levels.append(Level(float(width), depth, float("nan")))  # cost unknown: chosen by memory, not params
     levels.append(Level(1.0, num_blocks, 1.0))
     return levels

@@ -209,3 +209,36 @@ def test_registered_budgets_pick_the_largest_level_that_fits() -> None:
         assert strategy.specs.index(strategy.spec_for(0, device)) == level
     tiny = DeviceInfo("dev-00001", 1, 10, memory_budget_bytes=1)
     assert strategy.spec_for(0, tiny) == strategy.specs[0]
+
+
+class TestLevelsFromThePlanner:
+    """`nestling plan --method scalefl` clusters measured budgets into levels; the strategy trains exactly those."""
+
+    def test_strategy_given_the_plans_grid_has_the_plans_level_specs(self) -> None:
+        from profiler.planner import DeviceBudget
+        from server.plan_methods import plan_rows
+
+        mb = 1024 * 1024
+        devices = [DeviceBudget(f"d{i}", int(m * mb)) for i, m in enumerate((1.5, 2, 3, 4, 6, 9, 40))]
+        rows, extra = plan_rows("scalefl", "resnet20", devices, batch=8, shape=(3, 8, 8), classes=4, levels=3)
+        grid = extra["strategy_options"]["grid"]
+        assert grid and all(len(pair) == 2 for pair in grid)
+        strategy = create_strategy("scalefl", context(options={"grid": grid}))
+        assert [[lv.width, lv.depth] for lv in strategy.levels[:-1]] == grid
+        planned = {SubmodelSpec.from_dict(row.spec).id for row in rows if row.spec is not None}
+        assert planned <= {spec.id for spec in strategy.specs}
+        assert strategy.specs[-1].width == 1.0 and strategy.specs[-1].head
+
+    @pytest.mark.parametrize(
+        ("grid", "message"),
+        [
+            ([[0.5, 10]], "depth must be an integer in \\[1, 9\\]"),
+            ([[0.5, 4], [0.6, 3]], "depths must rise"),
+            ([[1.5, 4]], "width must be in \\(0, 1\\]"),
+            ([0.5], "\\[width, depth\\] pairs"),
+            ([], "must be a list"),
+        ],
+    )
+    def test_bad_grids_are_refused_by_name(self, grid: object, message: str) -> None:
+        with pytest.raises(ConfigError, match=message):
+            create_strategy("scalefl", context(options={"grid": grid}))
