@@ -1,8 +1,9 @@
 """The edge agent: registers with the fleet, trains each assigned slice, reports, heartbeats, recovers by itself.
 
 Three threads: paho's network thread (only queues messages), a control thread (tasks in, chunk
-re-requests both ways, hellos, heartbeats) and a worker thread (training). Training never blocks
-heartbeats or answers to re-requests, and only the newest task is trained when several queue up.
+re-requests both ways, hellos, heartbeats) and a worker thread (training, and the end-of-run export of
+the board's own deployable). Training never blocks heartbeats or answers to re-requests, and only the
+newest task is trained when several queue up.
 """
 
 from __future__ import annotations
@@ -11,17 +12,19 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import paho.mqtt.client as mqtt
 import torch
 
 from edge.agent_config import AgentConfig
+from edge.emulation import EmulationTarget, TaskPacer
 from edge.monitor import ResourceMonitor
 from edge.procedures import ClientData, DeviceStore
 from edge.trainer import run_task
 from nestling.errors import NestlingError, WireError
+from nestling.fleet_export import EXPORT, ExportOrder, decode_export_order, encode_export_report
 from nestling.fleet_messages import (
     REHELLO,
     DeviceStatus,
@@ -32,7 +35,7 @@ from nestling.fleet_messages import (
     encode_status,
 )
 from nestling.fleet_transfers import Inbound, Outbound
-from nestling.messages import Task
+from nestling.messages import Result, Task
 from nestling.wire.codec import CHUNK_KIND, CHUNK_REQUEST_KIND, decode_message, read_header
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
 
@@ -50,7 +53,8 @@ class SentResult:
 class Agent:
     """One board in a fleet. `start()` returns at once; the agent keeps (re)connecting on its own."""
 
-    def __init__(self, config: AgentConfig, data: ClientData, monitor: ResourceMonitor | None = None) -> None:
+    def __init__(self, config: AgentConfig, data: ClientData, monitor: ResourceMonitor | None = None,
+                 emulation: EmulationTarget | None = None) -> None:
         self.config = config
         self.data = data
         self.device_id = config.device.id
@@ -68,9 +72,18 @@ class Agent:
         self._slot: tuple[Task, str] | None = None  # the newest task not yet started, and its server session
         self._training: tuple[str, str] | None = None  # (task id, session) being trained now
         self._sent: SentResult | None = None  # the last result, kept to resend after an outage
+        self._export_slot: tuple[ExportOrder, str] | None = None  # an end-of-run export order not yet started
+        self._export_seen: tuple[str, str] | None = None  # (order id, session) of the order taken last
+        self._export_report: bytes | None = None  # its report, resent if the server repeats the order
         self._slot_ready = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # `nestling agent --emulate`: behave like a slower board (edge/emulation.py; the CLI resolves the board)
+        self.emulation = emulation
+        self.pacer = None if emulation is None else TaskPacer(emulation, tuple(data.x.shape[1:]),
+                                                              sleep=self._stop.wait)
+        self._chunks_from: dict[str, float] = {}  # task transfer id → when its first chunk arrived
+        self._task_received: dict[str, float] = {}  # queued task id → when its first frame arrived
         self.client = config.broker.client(f"nestling-{self.topics.fleet}-{self.device_id}",
                                            will=(self.topics.status(self.device_id), OFFLINE, True))
         self.client.max_inflight_messages_set(64)
@@ -92,6 +105,11 @@ class Agent:
             profile["tier"] = device.tier
         elif device.memory_budget_mb is not None:
             profile["memory_budget_bytes"] = int(device.memory_budget_mb * 1024 * 1024)
+        export = self.config.export.advertised()
+        if export is not None:  # asks the server for the final model of its submodel when the run ends
+            profile["export"] = export
+        if self.emulation is not None:  # the server logs it and lists it in summary.json
+            profile["emulating"] = self.emulation.describe()
         return profile
 
     def _say_hello(self) -> None:
@@ -203,14 +221,40 @@ class Agent:
                 self.client.publish(self.topics.result(self.device_id), frame, qos=QOS)
         elif kind == REHELLO:
             self._say_hello()
+        elif kind in (CHUNK_KIND, EXPORT):
+            self._on_export_frame(payload)
         else:
             raise WireError(f"unexpected control message {kind!r}")
 
-    def _on_task_frame(self, payload: bytes) -> None:
+    def _on_export_frame(self, payload: bytes) -> None:
+        """The end-of-run export order (chunked like a task): queue it for the worker, answer a repeat."""
         if read_header(payload)["kind"] == CHUNK_KIND:
             whole = self.inbound.add(payload)
             if whole is None:
                 return
+            payload = whole
+        order, session = decode_export_order(decode_message(payload, max_bytes=self.inbound.max_payload_bytes))
+        if order.device_id != self.device_id:
+            raise WireError(f"export order {order.order_id} is for {order.device_id}, not {self.device_id}")
+        if (order.order_id, session) == self._export_seen:
+            if self._export_report is not None:  # the server lost our report, not us the order
+                self.client.publish(self.topics.result(self.device_id), self._export_report, qos=QOS)
+            return
+        with self._slot_ready:
+            self._export_seen, self._export_report = (order.order_id, session), None
+            self._export_slot = (order, session)
+            self._slot_ready.notify()
+
+    def _on_task_frame(self, payload: bytes) -> None:
+        header, received = read_header(payload), time.monotonic()
+        if header["kind"] == CHUNK_KIND:
+            if len(self._chunks_from) > 16:  # transfers given up on never complete: forget them
+                self._chunks_from.clear()
+            received = self._chunks_from.setdefault(header["transfer_id"], received)  # the download began here
+            whole = self.inbound.add(payload)
+            if whole is None:
+                return
+            self._chunks_from.pop(header["transfer_id"], None)
             payload = whole
         task, session = decode_task(decode_message(payload, max_bytes=self.inbound.max_payload_bytes))
         if task.device_id != self.device_id:
@@ -224,6 +268,7 @@ class Agent:
         with self._slot_ready:
             if self._slot is None or task.round >= self._slot[0].round or session != self._slot[1]:
                 self._slot = (task, session)  # an older queued task is superseded: its round has closed
+                self._task_received = {task.task_id: received}
             self._slot_ready.notify()
 
     # -- worker thread ---------------------------------------------------------------------------
@@ -231,19 +276,29 @@ class Agent:
         warm_up()
         while not self._stop.is_set():
             with self._slot_ready:
-                while self._slot is None and not self._stop.is_set():
+                while self._slot is None and self._export_slot is None and not self._stop.is_set():
                     self._slot_ready.wait(0.5)
                 if self._stop.is_set():
                     return
-                task, session = self._slot  # type: ignore[misc]
-                self._slot = None
+                export, self._export_slot = self._export_slot, None
+                if export is None:
+                    task, session = self._slot  # type: ignore[misc]
+                    self._slot = None
+            if export is not None:  # the run is over: a task still queued is stale, the export comes first
+                self._export_and_report(*export)
+                continue
             self._train_and_report(task, session)
 
     def _train_and_report(self, task: Task, session: str) -> None:
         self.state, self.round, self._training = "training", task.round, (task.task_id, session)
         self._heartbeat()
+        if self.pacer is not None:  # the emulated board is still downloading the task
+            self.pacer.download(task, self._task_received.pop(task.task_id, time.monotonic()))
+        started = time.monotonic()
         try:
             result = run_task(task, self.data, self.store, self.config.device.torch_device)
+            if self.pacer is not None:  # the emulated board trains for longer
+                self._pad_training(task, result, time.monotonic() - started)
         except NestlingError as exc:  # an impossible spec, an unknown procedure: the round goes on without us
             log.error("task %s refused: %s", task.task_id, exc)
             return
@@ -252,14 +307,49 @@ class Agent:
             return
         finally:
             self.state, self._training = "online", None
+        trained = time.monotonic()
         payload = encode_result(result, session)
         frames = self.outbound.frames(payload, "server")
         self._sent = SentResult(task.task_id, task.round, session, frames)
+        if self.pacer is not None:  # the result leaves when the emulated board's upload would be done
+            self._pace_upload(result, trained)
         for frame in frames:
             self.client.publish(self.topics.result(self.device_id), frame, qos=QOS)
         self.results_sent += 1
         log.info("round %d: sent %s for submodel %s (%.2f MB, %.2fs training, loss %s)", task.round, task.task_id,
                  result.spec_id, len(payload) / 1e6, result.metrics["train_seconds"], result.metrics.get("loss_mean"))
+        self._heartbeat()
+
+    def _pad_training(self, task: Task, result: Result, measured_s: float) -> None:
+        assert self.pacer is not None and self.emulation is not None
+        pacing = self.pacer.compute(task, len(self.data), measured_s)
+        result.metrics.update({"emulated": self.emulation.name, "emulated_down_s": pacing.down_s,
+                               "emulated_compute_s": pacing.compute_s, "emulation_overrun_s": pacing.overrun_s})
+
+    def _pace_upload(self, result: Result, trained: float) -> None:
+        assert self.pacer is not None and self.emulation is not None
+        log.info("%s", self.pacer.upload(result, trained).line(result.round, self.emulation.name))
+
+    def _export_and_report(self, order: ExportOrder, session: str) -> None:
+        """Build this board's deployable from the final weights (edge/board_export.py), then report it.
+        Runs on the worker thread: heartbeats go on (state "exporting") while ONNX / TensorRT build."""
+        from edge.board_export import export_on_board  # onnx / onnxruntime load only on a board that exports
+
+        self.state = "exporting"
+        self._heartbeat()
+        try:
+            report = export_on_board(order, self.config.export, fleet=self.topics.fleet, device_id=self.device_id,
+                                     data=self.config.data, threads=self.config.device.threads)
+        finally:
+            self.state = "online"
+        try:
+            payload = encode_export_report(report, session)
+        except WireError as exc:  # e.g. a bundle path too long for the report: still answer, as a failure
+            report = replace(report, status="failed", bundle=None, models=[], files={}, error=str(exc))
+            payload = encode_export_report(report, session)
+        self._export_report = payload
+        self.client.publish(self.topics.result(self.device_id), payload, qos=QOS)
+        log.info("export of %s (%s): %s %s", order.name, report.spec_id, report.status, report.bundle or report.error)
         self._heartbeat()
 
 

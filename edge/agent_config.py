@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge.export_settings import ExportSection
 from nestling.errors import ConfigError
 from nestling.fleet_config import BrokerSettings, read_table, read_toml
 from nestling.wire.topics import validate_id
@@ -18,6 +19,10 @@ class DeviceSection:
     tier: int | None = None  # pin a submodel tier (the budget is then not sent: strategies size by budget first)
     torch_device: str = "cpu"  # "cuda" on a Jetson
     threads: int = 1  # torch intra-op threads (more than the cores collapses throughput)
+    # Emulate a slower board (a loopback fleet replaying a trace): a catalogue class, or one trace device.
+    emulate: str | None = None  # "rpi4", "phone-low", ... (simulator/catalogue.py)
+    emulate_trace: str | None = None  # a trace file (relative to this file) ...
+    emulate_device: str | None = None  # ... and the device_id whose figures to take
 
 
 @dataclass
@@ -48,27 +53,36 @@ class AgentConfig:
     device: DeviceSection = field(default_factory=DeviceSection)
     data: DataSection = field(default_factory=DataSection)
     agent: AgentSection = field(default_factory=AgentSection)
+    export: ExportSection = field(default_factory=ExportSection)  # end-of-run export on this board
     path: Path | None = None
 
 
 def agent_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> AgentConfig:
-    unknown = sorted(set(data) - {"broker", "device", "data", "agent"})
+    unknown = sorted(set(data) - {"broker", "device", "data", "agent", "export"})
     if unknown:
-        raise ConfigError(f"unknown agent config sections {unknown} (known: broker, device, data, agent)")
+        raise ConfigError(f"unknown agent config sections {unknown} (known: broker, device, data, agent, export)")
     broker_table = data.get("broker", {})
     if not isinstance(broker_table, dict):
         raise ConfigError("[broker] must be a table")
     config = AgentConfig(broker=BrokerSettings.from_table(broker_table, base),
                          device=read_table(DeviceSection, "device", data.get("device", {})),
                          data=read_table(DataSection, "data", data.get("data", {})),
-                         agent=read_table(AgentSection, "agent", data.get("agent", {})))
+                         agent=read_table(AgentSection, "agent", data.get("agent", {})),
+                         export=read_table(ExportSection, "export", data.get("export", {})).resolve(base))
+    config.export.check()
     validate_id(config.device.id, "[device] id")
     if config.data.root is not None:
         config.data.root = str(base / config.data.root)  # relative to the config file (absolute stays)
+    if config.device.emulate_trace is not None:
+        config.device.emulate_trace = str(base / config.device.emulate_trace)
     d, a = config.data, config.agent
     checks = [
         (config.device.memory_budget_mb is None or config.device.memory_budget_mb > 0, "[device] memory_budget_mb must be > 0"),
         (config.device.threads >= 1, "[device] threads must be >= 1"),
+        (config.device.emulate is None or config.device.emulate_trace is None,
+         "[device] emulate (a board class) and emulate_trace (a trace device) exclude each other"),
+        ((config.device.emulate_trace is None) == (config.device.emulate_device is None),
+         "[device] emulate_trace and emulate_device go together (the trace file and the device_id in it)"),
         (d.num_clients >= 1 and 0 <= d.client_index < d.num_clients, "[data] needs 0 <= client_index < num_clients"),
         (a.heartbeat_s > 0 and a.stall_s > 0, "[agent] heartbeat_s and stall_s must be > 0"),
         (a.chunk_kb >= 1 and a.max_message_mb >= 1, "[agent] chunk_kb and max_message_mb must be >= 1"),

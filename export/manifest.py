@@ -9,7 +9,7 @@ import nestling
 from export.onnx_export import INPUT_NAME, OnnxResult
 from export.options import ExportData, ExportOptions
 from export.standalone import OutputPlan
-from server.strategies.base import EvalTarget
+from nestling.eval_target import EvalTarget
 
 
 def _outputs(plan: OutputPlan) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from nestling.data import DatasetBundle
 from nestling.errors import ConfigError, DataError, SpecError
 from nestling.models.net import ScalableNet
 from nestling.spec import SubmodelSpec
-from server.strategies.base import EvalTarget
+from nestling.eval_target import EvalTarget
 
 __all__ = ["ExportData", "ExportOptions", "export_submodel", "export_target", "load_export_data"]
 

@@ -15,7 +15,7 @@ import torch
 from nestling.errors import ConfigError
 from nestling.models.net import ScalableNet
 from server.evaluation import Evaluator
-from server.strategies.base import EvalTarget
+from nestling.eval_target import EvalTarget
 
 
 def needs_calibration(target: EvalTarget) -> bool:

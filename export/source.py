@@ -12,7 +12,7 @@ from nestling.slicing import check_compatible, extract
 from nestling.spec import SubmodelSpec
 from server.checkpoint import latest_checkpoint, load_checkpoint
 from server.strategies import Strategy, StrategyContext, create_strategy
-from server.strategies.base import EvalTarget
+from nestling.eval_target import EvalTarget
 
 
 @dataclass

@@ -17,7 +17,7 @@ from nestling.messages import Result, Task
 from nestling.wire.codec import Message, decode_message, encode_message
 
 HELLO, STATUS, TASK, RESULT, REHELLO, SERVER_STATUS = "hello", "status", "task", "result", "rehello", "server_status"
-DEVICE_STATES = ("online", "training")
+DEVICE_STATES = ("online", "training", "exporting")  # exporting: building its deployable after a run
 SERVER_PHASES = ("waiting", "training", "aggregating", "done")
 CONTROL_BYTES = 64 * 1024  # hello / status / ctrl frames carry no tensors: a header and nothing else
 

@@ -58,6 +58,11 @@ class RoundRecord:
     counters: dict[str, int] = field(default_factory=dict)
     submodels: list[dict[str, Any]] = field(default_factory=list)
     train_loss: float | None = None
+    # Clock readings (virtual seconds in a replay, monotonic wall seconds on a fleet) when the round's tasks
+    # started going out and when the round closed: closed_at - dispatched_at is the round's duration on the
+    # devices' side, without the server's selection, aggregation, evaluation and checkpoint around it.
+    dispatched_at: float = 0.0
+    closed_at: float = 0.0
 
 
 def tensor_bytes(tensors: dict) -> int:
@@ -100,8 +105,10 @@ class Coordinator:
         counters: Counter[str] = Counter()
         selected = self.select(round_index, self.transport.devices())
         tasks = self.strategy.assign(round_index, selected)
+        dispatched_at = self.clock.now()
         self.transport.dispatch(list(tasks.values()))
         accepted, collect_seconds = self._collect(round_index, tasks, counters)
+        closed_at = self.clock.now()
         self.transport.cancel(round_index)
         quorum = max(1, math.ceil(self.policy.quorum * min(self.needed(), len(tasks))))
         aggregated = len(accepted) >= quorum
@@ -116,7 +123,8 @@ class Coordinator:
             bytes_down=sum(tensor_bytes(t.weights) for t in tasks.values()),
             bytes_up=sum(tensor_bytes(r.weights) for _, r in accepted), counters=dict(counters),
             local_train_seconds=sum(float(r.metrics.get("train_seconds", 0.0)) for _, r in accepted),
-            train_loss=_mean([r.metrics.get("loss_mean") for _, r in accepted]))
+            train_loss=_mean([r.metrics.get("loss_mean") for _, r in accepted]),
+            dispatched_at=dispatched_at, closed_at=closed_at)
         if self._is_eval_round(round_index):
             self.last_eval = self.evaluator.evaluate_all(self.strategy.eval_targets()) if self.evaluator else []
             record.submodels = [asdict(e) for e in self.last_eval]

@@ -19,11 +19,12 @@ from nestling.wire.topics import OFFLINE, FleetTopics
 from server.checkpoint import latest_checkpoint
 from server.clock import WallClock
 from server.coordinator import Coordinator, RoundPolicy, RoundRecord
+from server.deployables import deployable_rows, deployables_table, export_orders, wants_export
 from server.evaluation import Evaluator
 from server.fleet_config import FleetConfig, load_fleet_config
 from server.run_report import plot_accuracy, read_metrics, summarise, write_summary
 from server.mqtt_transport import MqttTransport, TransportSettings
-from server.registry import DeviceRegistry
+from server.registry import DeviceRegistry, emulated_class
 from server.strategies import StrategyContext, create_strategy
 from server.strategies.base import Strategy
 
@@ -31,14 +32,7 @@ log = logging.getLogger("nestling.fleet")
 
 
 def local_hparams(cfg: FleetConfig) -> dict[str, Any]:
-    train = cfg.run.train
-    hp: dict[str, Any] = {"local_epochs": train.local_epochs, "batch_size": train.batch_size,
-                          "momentum": train.momentum, "weight_decay": train.weight_decay}
-    if train.local_steps is not None:
-        hp["local_steps"] = train.local_steps
-    if train.grad_clip is not None:
-        hp["grad_clip"] = train.grad_clip
-    return hp
+    return cfg.run.train.local_hparams()
 
 
 def transport_settings(cfg: FleetConfig) -> TransportSettings:
@@ -70,6 +64,26 @@ def round_line(record: RoundRecord, total: int) -> str:
             notes.append(f"{count} {what}")
     accuracies = " ".join(f"{s['name']} {100 * s['accuracy']:.1f}%" for s in record.submodels)
     return f"round {record.round + 1}/{total}: {', '.join(notes)}, {record.wall_seconds:.1f}s  {accuracies}"
+
+
+def finish_exports(cfg: FleetConfig, strategy: Strategy, transport: MqttTransport, registry: DeviceRegistry,
+                   last_round: int) -> list[dict[str, Any]] | None:
+    """After the last round: send export orders ([export] on_finish), wait for the boards' reports, and
+    return summary.json's "deployables" (None when exports are off)."""
+    policy = cfg.export
+    if policy.on_finish == "off":
+        asked = sorted(d for d, r in registry.records.items() if wants_export(r.info.profile))
+        if asked:
+            print(f"{', '.join(asked)} asked for their final model, but fleet.toml's [export] on_finish is off",
+                  flush=True)
+        return None
+    orders = export_orders(strategy, registry.available(), last_round, policy.on_finish)
+    if orders:
+        print(f"sending the final model to {len(orders)} boards to export; waiting up to {policy.timeout_s:.0f}s",
+              flush=True)
+        transport.send_exports(orders)
+        transport.wait_exports(policy.timeout_s)
+    return deployable_rows(registry.records, transport.exports)
 
 
 def run_fleet(cfg: FleetConfig, *, resume: bool = False,
@@ -116,13 +130,29 @@ def run_fleet(cfg: FleetConfig, *, resume: bool = False,
         if not ready:
             raise NestlingError(f"no device registered within {cfg.fleet.registration_timeout_s:.0f}s")
         print(f"{len(ready)} devices registered: {', '.join(d.device_id for d in ready)}", flush=True)
+        emulated = {d.device_id: emulated_class(d.profile) for d in ready if emulated_class(d.profile)}
+        if emulated:  # `nestling agent --emulate`: wall-clock rounds are the emulated boards', not this host's
+            print(f"{len(emulated)} of them emulate slower boards: "
+                  f"{', '.join(f'{d} as {c}' for d, c in emulated.items())}", flush=True)
         coordinator.run()
         transport.publish_status("done", run.rounds - 1)
+        try:
+            deployables = finish_exports(cfg, strategy, transport, registry, run.rounds - 1)
+        except Exception:  # the run's results are in: a bug in the export step must not lose its summary
+            log.exception("end-of-run export failed")
+            print("end-of-run export failed (see the log); the run summary is written without deployables",
+                  flush=True)
+            deployables = None
     finally:
         transport.close()
     summary = summarise(read_metrics(out_dir), cfg.to_dict(), time.perf_counter() - started)
     summary["transport"] = dict(sorted(transport.counters.items()))
     summary["trained_by"] = {spec: sorted(devices) for spec, devices in transport.trained_by.items()}
+    if registry.emulated():
+        summary["emulated"] = registry.emulated()
+    if deployables is not None:
+        summary["deployables"] = deployables
+        print(deployables_table(deployables), flush=True)
     write_summary(out_dir, summary)
     plot_accuracy(out_dir, f"{cfg.run.method.name} · {cfg.run.model.arch} · fleet {topics.fleet}")
     return summary

@@ -29,12 +29,24 @@ class FleetSection:
     allowed_devices: list[str] = field(default_factory=list)  # empty: any device the broker lets in
 
 
+EXPORT_MODES = ("off", "requested", "all")
+
+
+@dataclass
+class ExportPolicy:
+    """[export]: after the last round, send boards the final weights of their submodel to build deployables."""
+
+    on_finish: str = "off"  # "requested": boards whose agent.toml sets [export] on_finish; "all": every online board
+    timeout_s: float = 600.0  # how long the server waits for the boards' export reports (TensorRT builds take minutes)
+
+
 @dataclass
 class FleetConfig:
     broker: BrokerSettings
     fleet: FleetSection
     run: SimConfig  # validated by nestling.config exactly like `nestling simulate`'s
     out_dir: Path
+    export: ExportPolicy = field(default_factory=ExportPolicy)
 
     @property
     def min_devices(self) -> int:
@@ -42,14 +54,15 @@ class FleetConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """What summary.json records (no secrets: the broker password is left out)."""
-        return {**self.run.to_dict(), "fleet": vars(self.fleet), "broker": {"url": self.broker.url,
-                                                                          "fleet": self.broker.fleet}}
+        return {**self.run.to_dict(), "fleet": vars(self.fleet), "export": vars(self.export),
+                "broker": {"url": self.broker.url, "fleet": self.broker.fleet}}
 
 
 def fleet_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> FleetConfig:
-    unknown = sorted(set(data) - {"broker", "fleet", "run", "data", "model", "method", "train"})
+    unknown = sorted(set(data) - {"broker", "fleet", "run", "data", "model", "method", "train", "export"})
     if unknown:
-        raise ConfigError(f"unknown fleet config sections {unknown} (known: broker, fleet, run, data, model, method, train)")
+        raise ConfigError(f"unknown fleet config sections {unknown} "
+                          "(known: broker, fleet, run, data, model, method, train, export)")
     broker = BrokerSettings.from_table(data.get("broker", {}), base)
     fleet = read_table(FleetSection, "fleet", data.get("fleet", {}))
     if fleet.devices < 1 or fleet.min_devices < 0 or fleet.round_min_devices < 1:
@@ -58,6 +71,9 @@ def fleet_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Flee
         raise ConfigError("[fleet] chunk_kb, max_message_mb, stall_s and heartbeat_timeout_s must be > 0")
     for device_id in fleet.allowed_devices:
         validate_id(device_id, "[fleet] allowed_devices entry")
+    export = read_table(ExportPolicy, "export", data.get("export", {}))
+    if export.on_finish not in EXPORT_MODES or export.timeout_s <= 0:
+        raise ConfigError(f"[export] on_finish must be one of {', '.join(EXPORT_MODES)} and timeout_s > 0")
     run = dict(data.get("run", {}))
     out_dir = run.pop("out_dir", "runs/fleet")
     if "workers" in run:
@@ -77,7 +93,7 @@ def fleet_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Flee
         raise ConfigError("[run] deadline_s must be > 0: a fleet round cannot wait forever for a lost device")
     if not isinstance(out_dir, str):
         raise ConfigError("[run] out_dir must be a string")
-    return FleetConfig(broker, fleet, sim, (base / out_dir).resolve())
+    return FleetConfig(broker, fleet, sim, (base / out_dir).resolve(), export)
 
 
 def load_fleet_config(path: Path) -> FleetConfig:

@@ -18,6 +18,13 @@ from dataclasses import dataclass
 import paho.mqtt.client as mqtt
 
 from nestling.errors import ConfigError, NestlingError, WireError
+from nestling.fleet_export import (
+    EXPORT_REPORT,
+    ExportOrder,
+    ExportReport,
+    decode_export_report,
+    encode_export_order,
+)
 from nestling.fleet_messages import (
     RESULT,
     ServerStatus,
@@ -42,6 +49,7 @@ from nestling.wire.codec import (
 from nestling.wire.topics import HELLO, OFFLINE, QOS, STATUS, FleetTopics, parse_topic
 from nestling.wire.topics import RESULT as RESULT_CHANNEL
 from server.clock import Clock
+from server.deployables import ExportLedger
 from server.fleet_admission import Dispatched, RecentKeys, check_result, unsolicited_reason, wire_reason
 from server.registry import DeviceRegistry
 from server.strategies.base import DeviceInfo
@@ -98,6 +106,7 @@ class MqttTransport:
         self._subscribed = threading.Event()
         self._connections = 0
         self._reconnected = threading.Event()
+        self.exports = ExportLedger()  # end-of-run export orders and the boards' reports
         client.max_inflight_messages_set(self.settings.max_inflight)  # chunks stream without waiting per ack
         client.on_connect = self._on_connect
         client.on_subscribe = lambda *_: self._subscribed.set()
@@ -288,10 +297,15 @@ class MqttTransport:
             return
         header = read_header(payload, max_bytes=self.settings.max_message_bytes + RESULT_SLACK_BYTES)
         kind = header["kind"]
-        if kind == CHUNK_REQUEST_KIND:  # the device lost chunks of its task
+        if kind == CHUNK_REQUEST_KIND:  # the device lost chunks of its task (or of its export order)
+            export = header.get("transfer_id") in self.exports.transfers
+            topic = self.topics.ctrl(device_id) if export else self.topics.task(device_id)
             for frame in self._outbound.answer(payload, device_id):
-                self.client.publish(self.topics.task(device_id), frame, qos=QOS)
-            self.counters["task_chunks_resent"] += 1
+                self.client.publish(topic, frame, qos=QOS)
+            self.counters["export_chunks_resent" if export else "task_chunks_resent"] += 1
+            return
+        if kind == EXPORT_REPORT:
+            self._on_export_report(device_id, payload)
             return
         if kind not in (CHUNK_KIND, RESULT):
             raise WireError(f"unexpected message kind {kind!r} on a result topic")
@@ -323,6 +337,33 @@ class MqttTransport:
         self.counters["accepted"] += 1
         self.trained_by.setdefault(result.spec_id, set()).add(device_id)
         self._ready.append(result)
+
+    # -- end-of-run exports ----------------------------------------------------------------------
+    def send_exports(self, orders: list[ExportOrder]) -> None:
+        """Publish each export order on its device's ctrl topic, chunked like a task (it holds weights)."""
+        for order in orders:
+            frames = self._outbound.frames(encode_export_order(order, self.session), order.device_id)
+            header = read_header(frames[0])
+            self.exports.sent(order, header.get("transfer_id") if header["kind"] == CHUNK_KIND else None)
+            for frame in frames:
+                self.client.publish(self.topics.ctrl(order.device_id), frame, qos=QOS)
+        self.counters["export_orders"] += len(orders)
+
+    def wait_exports(self, timeout_s: float) -> dict[str, ExportReport]:
+        """Handle messages until every ordered device reported or `timeout_s` passed; the admitted reports."""
+        give_up = time.monotonic() + timeout_s
+        while self.exports.pending() and time.monotonic() < give_up:
+            self._pump(min(0.2, max(0.0, give_up - time.monotonic())))
+        return dict(self.exports.reports)
+
+    def _on_export_report(self, device_id: str, payload: bytes) -> None:
+        report, session = decode_export_report(payload)  # WireError: counted and logged by _handle
+        reason = self.exports.admit(device_id, report, session, self.session)
+        if reason is not None:
+            self._reject(device_id, reason, detail=f"export report {report.order_id}")
+            return
+        self.counters["export_reports"] += 1
+        log.info("export report from %s: %s %s", device_id, report.status, report.bundle or report.error)
 
     # -- timers ----------------------------------------------------------------------------------
     def _tick(self) -> None:

@@ -43,6 +43,15 @@ def _labels(profile: dict[str, Any]) -> tuple[int, ...] | None:
     return tuple(sorted(set(labels)))
 
 
+def emulated_class(profile: dict[str, Any] | None) -> str | None:
+    """The board class a device's hello says it emulates (`nestling agent --emulate`), else None."""
+    emulating = (profile or {}).get("emulating")
+    if not isinstance(emulating, dict):
+        return None
+    name, trace_device = str(emulating.get("class", "?"))[:64], emulating.get("trace_device")
+    return f"{name} (trace device {str(trace_device)[:64]})" if trace_device else name
+
+
 class DeviceRegistry:
     """Devices by id. Indices (tiers, seeds) are kept in `path` so a resumed server gives every device the
     same index; a device may ask for its own index (its data partition) in the hello."""
@@ -102,9 +111,15 @@ class DeviceRegistry:
         if previous is None or previous.info.profile != info.profile:
             self._save()
         if previous is None:
-            log.info("registered %s (index %d, %d samples, budget %s bytes)", device_id, info.index, num_samples,
-                     budget)
+            emulating = emulated_class(profile)
+            log.info("registered %s (index %d, %d samples, budget %s bytes%s)", device_id, info.index, num_samples,
+                     budget, f", emulating {emulating}" if emulating else "")
         return info
+
+    def emulated(self) -> dict[str, dict[str, Any]]:
+        """Devices that said in their hello they emulate a slower board (`nestling agent --emulate`)."""
+        return {d: dict(r.info.profile["emulating"]) for d, r in sorted(self.records.items())
+                if r.info.profile and isinstance(r.info.profile.get("emulating"), dict)}
 
     def known(self, device_id: str) -> bool:
         return device_id in self.records

@@ -1,24 +1,25 @@
 """Predicted task timings on traced devices: when a task's result reaches the server, or its device drops.
 
 Training time of the assigned submodel = `edge.emulation.training_flops` (forward MACs counted once
-per spec x 2 FLOP per MAC x 3 for forward + backward x samples trained) over the device's sustained
-GFLOP/s. When the trace holds a measured per-sample latency for the model, that latency is scaled by
-the submodel's share of the full model's MACs instead. Transfers use the bytes the task carries down
-and the same slice coming back up, each with one latency.
+per spec x 2 FLOP per MAC x 3 for forward + backward x `samples_trained`, the samples the local
+procedure really draws) over the device's sustained GFLOP/s. When the trace holds a measured
+per-sample latency for the model, that latency is scaled by the submodel's share of the full model's
+MACs instead. Transfers use the tensor bytes the task carries down and the same slice coming back up,
+each with one latency. The cost pieces live in edge/emulation.py, which an emulating agent (`nestling
+agent --emulate`) paces itself with, so a loopback fleet and a replay agree by construction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from edge.emulation import training_flops
+from edge.emulation import MacCounter, payload_bytes, samples_trained, training_flops
 from nestling.messages import Task
-from nestling.models.cost import count_macs
-from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
 from simulator.traces import ANY_MODEL, DeviceTrace
+
+__all__ = ["Arrival", "MacCounter", "TaskCost", "TraceDurations", "payload_bytes", "samples_trained"]
 
 
 @dataclass(frozen=True)
@@ -42,31 +43,6 @@ class Arrival:
     seconds: float
     dropped: bool = False
     cost: TaskCost | None = None
-
-
-def payload_bytes(tensors: Mapping[str, Any]) -> int:
-    return int(sum(t.numel() * t.element_size() for t in tensors.values()))
-
-
-def samples_trained(hparams: Mapping[str, Any], num_samples: int) -> int:
-    """Samples one task pushes through the model: steps x batch when steps are fixed, else epochs x data."""
-    steps = hparams.get("local_steps")
-    if steps is not None:
-        return int(steps) * max(1, min(int(hparams.get("batch_size", 32)), num_samples))
-    return int(hparams.get("local_epochs", 1)) * num_samples
-
-
-class MacCounter:
-    """Forward MACs per spec, counted once each (building a submodel costs far more than a lookup)."""
-
-    def __init__(self, input_shape: tuple[int, int, int]) -> None:
-        self.input_shape = input_shape
-        self._macs: dict[str, int] = {}
-
-    def __call__(self, spec: SubmodelSpec) -> int:
-        if spec.id not in self._macs:
-            self._macs[spec.id] = count_macs(build(spec, init=False), self.input_shape)
-        return self._macs[spec.id]
 
 
 class TraceDurations:

@@ -12,6 +12,7 @@ import torch
 
 from nestling.aggregation import Contribution, masked_mean
 from nestling.errors import ConfigError, SpecError
+from nestling.eval_target import EvalTarget  # noqa: F401 - strategies and export import it from here
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
@@ -31,18 +32,6 @@ class DeviceInfo:
     profile: dict[str, Any] | None = None
     memory_budget_bytes: int | None = None
     labels: tuple[int, ...] | None = None  # classes present in the device's data (HeteroFL masking)
-
-
-@dataclass
-class EvalTarget:
-    """One submodel to evaluate: its spec and weights, and how its prediction is formed."""
-
-    name: str
-    spec: SubmodelSpec
-    state: dict[str, torch.Tensor]
-    ensemble: bool = False  # DepthFL: mean of all outputs' logits
-    static_bn: bool = False  # HeteroFL sBN: recompute BN statistics over the training set first
-    active_width: float | None = None  # FjORD: evaluate at this width with its BN statistics
 
 
 @dataclass
@@ -121,6 +110,11 @@ class Strategy(ABC):
     @abstractmethod
     def eval_targets(self) -> list[EvalTarget]:
         """Every submodel the method reports accuracy for, smallest first."""
+
+    def deploy_spec(self, device: DeviceInfo, last_round: int) -> SubmodelSpec:
+        """The submodel a device deploys when the run ends (server/deployables.py): by default the one it
+        would train in the last round."""
+        return self.spec_for(last_round, device)
 
     def aggregation_weight(self, result: Result) -> float:
         return 1.0

@@ -73,6 +73,10 @@ class NeFL(Strategy):
         rng = self.round_rng(round_index, salt=device.index + 1)
         return self.specs[int(rng.integers(low, high + 1))]
 
+    def deploy_spec(self, device: DeviceInfo, last_round: int) -> SubmodelSpec:
+        """The device's own tier (the largest submodel that fits it), not the neighbour `flex` may draw."""
+        return self.specs[self.tier_of(device)]
+
     def task_weights(self, spec: SubmodelSpec) -> dict[str, torch.Tensor]:
         k = self.index_of[spec.id]
         weights = extract(self.global_state, spec, keys=self.consistent)

@@ -82,9 +82,25 @@ def test_measured_latency_is_scaled_by_the_submodels_share_of_macs() -> None:
 
 
 def test_local_steps_fix_the_samples_trained() -> None:
-    assert samples_trained({"local_steps": 5, "batch_size": 8}, 30) == 40
+    assert samples_trained({"local_steps": 5, "batch_size": 8}, 30) == 38  # 8+8+8+6, then 8 of the next pass
+    assert samples_trained({"local_steps": 5, "batch_size": 10}, 30) == 50
     assert samples_trained({"local_steps": 5, "batch_size": 64}, 30) == 150  # a batch is at most the data
     assert samples_trained({"local_epochs": 3}, 30) == 90
+    # 2 x ceil(9/4) = 6 steps of 4: each pass skips its single leftover sample, so the steps run on
+    assert samples_trained({"local_epochs": 2, "batch_size": 4}, 9) == 24
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 9, 16, 17, 30])
+@pytest.mark.parametrize("hp", [{"local_epochs": 1, "batch_size": 8}, {"local_epochs": 3, "batch_size": 4},
+                                {"local_steps": 7, "batch_size": 8}, {"local_steps": 3, "batch_size": 64},
+                                {"local_epochs": 2, "batch_size": 2}])
+def test_samples_trained_counts_what_the_local_procedures_really_draw(n: int, hp: dict) -> None:
+    from edge.procedures import ClientData
+    from edge.procedures.common import batches
+
+    data = ClientData(torch.zeros(n, 1, 2, 2), torch.zeros(n, dtype=torch.long))
+    drawn = sum(len(y) for _, y in batches(data, hp, torch.Generator().manual_seed(0)))
+    assert samples_trained(hp, n) == drawn
 
 
 def test_offline_at_dispatch_drops_at_once() -> None:
