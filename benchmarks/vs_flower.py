@@ -1,12 +1,18 @@
 """One FedAvg workload through Nestling's simulator, Flower's simulation engine and plain PyTorch loops.
 
-100 clients, 10 per round, ResNet-20 (Nestling's zoo model in all three), 1 local epoch of 500
+100 clients, 10 per round, ResNet-20 (Nestling's zoo model everywhere), 1 local epoch of 500
 synthetic CIFAR-shaped samples, batch 32, SGD; one warm-up round, then 10 timed rounds; one torch
 thread per worker and as many workers as cores everywhere. Each engine runs in its own subprocess,
-one after another. Prints client updates/s of each, then one line
-`nestling_over_flower=… loop_efficiency=…` (fast Nestling ÷ Flower updates/s; eager Nestling without
-batching ÷ concurrent plain loops, samples/s).
-Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vs_flower.py   (Flower: pip install nestling[bench])
+one after another:
+  loops, nestling-eager, flower      fp32, NCHW, one client at a time (Flower: the textbook loop)
+  nestling-fast / flower-fast        fp32, channels-last; Nestling trains a round's clients grouped
+  nestling-bf16 / flower-bf16        the same with the forward pass under bf16 autocast
+Prints updates/s and samples/s of each (wall clock, and per CPU-second of the engine's process tree),
+then one line `nestling_over_flower=… same_numerics_fp32=… same_numerics_bf16=… bf16_over_flower=…
+loop_efficiency=…`: fast Nestling ÷ Flower's textbook loop; each Nestling engine ÷ Flower given the
+same precision and memory format; bf16 Nestling ÷ Flower's textbook loop; eager Nestling without
+batching ÷ concurrent plain loops.
+Run: OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.vs_flower   (Flower: pip install nestling[bench])
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 # Run as a script, this folder comes first on sys.path, where benchmarks/profiler.py would shadow the
@@ -52,15 +59,42 @@ def synthetic_provider(samples: int) -> Any:
     return lambda device: ClientData(*client_samples(device_index(device), samples))
 
 
-def plain_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, seed: int) -> None:
-    """The textbook loop: shuffle, mini-batches, cross-entropy, SGD step."""
+@dataclass(frozen=True)
+class Settings:
+    """How one engine trains: Nestling's batching/compile, and the numerics every engine can be given."""
+
+    batching: str = "off"
+    compile: bool = False
+    precision: str = "fp32"  # bf16: forward under CPU autocast (AMX / AVX-512 BF16)
+    channels_last: bool = False
+
+
+ENGINES = {
+    "loops": Settings(),
+    "nestling-eager": Settings(),
+    "flower": Settings(),
+    "nestling-fast": Settings(batching="on", channels_last=True),
+    "flower-fast": Settings(channels_last=True),
+    "nestling-bf16": Settings(batching="on", precision="bf16", channels_last=True),
+    "flower-bf16": Settings(precision="bf16", channels_last=True),
+}
+
+
+def plain_epoch(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, seed: int, how: Settings = Settings()
+) -> None:
+    """The textbook loop: shuffle, mini-batches, cross-entropy, SGD step (in the engine's numerics)."""
+    if how.channels_last:
+        model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model.train()
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     for start in range(0, len(y), batch):
         idx = order[start : start + batch]
         optimizer.zero_grad()
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how.precision == "bf16"):
+            logits = model(x[idx])
+        F.cross_entropy(logits.float(), y[idx]).backward()
         optimizer.step()
 
 
@@ -85,7 +119,7 @@ def window(stamps: list[tuple[float, float]]) -> dict[str, float]:
 
 
 # -- engines (each runs in its own subprocess and prints one JSON line) --------------------------
-def run_nestling(a: argparse.Namespace, batching: str, compile: bool) -> dict[str, float]:
+def run_nestling(a: argparse.Namespace, how: Settings) -> dict[str, float]:
     from nestling.schedule import LrSchedule
     from server.clock import WallClock
     from server.coordinator import Coordinator, RoundPolicy
@@ -104,7 +138,14 @@ def run_nestling(a: argparse.Namespace, batching: str, compile: bool) -> dict[st
         num_clients=a.clients,
         total_rounds=a.rounds + 1,
         schedule=LrSchedule("constant", LR),
-        local={"local_epochs": 1, "batch_size": a.batch, "momentum": 0.0, "weight_decay": 0.0},
+        local={
+            "local_epochs": 1,
+            "batch_size": a.batch,
+            "momentum": 0.0,
+            "weight_decay": 0.0,
+            **({"precision": how.precision} if how.precision != "fp32" else {}),
+            **({"channels_last": True} if how.channels_last else {}),
+        },
     )
     strategy = create_strategy("fedavg", ctx)
     devices = [DeviceInfo(device_id(i), i, a.samples) for i in range(a.clients)]
@@ -112,7 +153,7 @@ def run_nestling(a: argparse.Namespace, batching: str, compile: bool) -> dict[st
         synthetic_provider,
         {"samples": a.samples},
         a.workers,
-        BatchPolicy(batching, compile),
+        BatchPolicy(how.batching, how.compile),
         sizes=lambda _: a.samples,
     )
     stamps: list[tuple[float, float]] = []
@@ -135,7 +176,7 @@ def run_nestling(a: argparse.Namespace, batching: str, compile: bool) -> dict[st
     return window(stamps)
 
 
-def run_flower(a: argparse.Namespace) -> dict[str, float]:
+def run_flower(a: argparse.Namespace, how: Settings) -> dict[str, float]:
     from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
@@ -151,9 +192,9 @@ def run_flower(a: argparse.Namespace) -> dict[str, float]:
         index = int(context.node_config["partition-id"])
         model = build(SPEC, init=False)
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        plain_epoch(model, *client_samples(index, a.samples), a.batch, seed=index)
+        plain_epoch(model, *client_samples(index, a.samples), a.batch, seed=index, how=how)
         content = RecordDict(
-            {"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord({"num-examples": a.samples})}
+            {"arrays": ArrayRecord({k: v.contiguous() for k, v in model.state_dict().items()}), "metrics": MetricRecord({"num-examples": a.samples})}
         )
         return Message(content=content, reply_to=msg)
 
@@ -248,8 +289,11 @@ def report(a: argparse.Namespace) -> None:
     labels = {
         "loops": "plain PyTorch loops (1 per core)",
         "nestling-eager": "Nestling (no batching)",
-        "nestling-fast": f"Nestling (compile, batching={a.fast_batching})",
-        "flower": "Flower simulation (Ray)",
+        "flower": "Flower simulation (Ray), textbook loop",
+        "nestling-fast": "Nestling (grouped clients, NHWC)",
+        "flower-fast": "Flower, NHWC loop",
+        "nestling-bf16": "Nestling (grouped clients, NHWC, bf16)",
+        "flower-bf16": "Flower, NHWC loop, bf16",
     }
     figures: dict[str, dict[str, float] | str] = {name: "not run" for name in labels}
     for name in a.order.split(","):
@@ -257,30 +301,35 @@ def report(a: argparse.Namespace) -> None:
         result = engine(a, name)
         figures[name] = result
         if isinstance(result, str):
-            print(f"{label:<40} could not run: {result}")
+            print(f"{label:<42} could not run: {result}", flush=True)
             continue
         # CPU-normalised: the rate had the engine had `workers` cores to itself (others share this box).
         print(
-            f"{label:<40} {updates / result['seconds']:6.2f} updates/s "
+            f"{label:<42} {updates / result['seconds']:6.2f} updates/s "
             f"{samples / result['seconds']:6.1f} samples/s "
             f"({result['seconds']:.0f} s, load {os.getloadavg()[0]:.1f}) | per CPU: "
-            f"{updates * a.workers / result['cpu']:6.2f} updates/s"
+            f"{updates * a.workers / result['cpu']:6.2f} updates/s",
+            flush=True,
         )
 
-    def rate(name: str, per_cpu: bool = False) -> float:
-        result = figures[name]
-        if isinstance(result, str):
-            return math.nan
-        return updates * a.workers / result["cpu"] if per_cpu else updates / result["seconds"]
+    def ratio(fast: str, slow: str, per_cpu: bool = False) -> str:
+        def rate(name: str) -> float:
+            result = figures[name]
+            if isinstance(result, str):
+                return math.nan
+            return updates * a.workers / result["cpu"] if per_cpu else updates / result["seconds"]
 
-    print(
-        f"cpu_normalised: nestling_over_flower={rate('nestling-fast', True) / rate('flower', True):.3f} "
-        f"loop_efficiency={rate('nestling-eager', True) / rate('loops', True):.3f}"
-    )
-    print(
-        f"nestling_over_flower={rate('nestling-fast') / rate('flower'):.3f} "
-        f"loop_efficiency={rate('nestling-eager') / rate('loops'):.3f}"
-    )
+        return f"{rate(fast) / rate(slow):.3f}"
+
+    pairs = {
+        "nestling_over_flower": ("nestling-fast", "flower"),
+        "same_numerics_fp32": ("nestling-fast", "flower-fast"),
+        "same_numerics_bf16": ("nestling-bf16", "flower-bf16"),
+        "bf16_over_flower": ("nestling-bf16", "flower"),
+        "loop_efficiency": ("nestling-eager", "loops"),
+    }
+    print("cpu_normalised: " + " ".join(f"{k}={ratio(*v, per_cpu=True)}" for k, v in pairs.items()))
+    print(" ".join(f"{k}={ratio(*v)}" for k, v in pairs.items()))
 
 
 def main() -> None:
@@ -291,28 +340,21 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=500)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument(
-        "--fast-batching",
-        default="off",
-        choices=("off", "on", "auto"),
-        help="batching of the fast Nestling run (vmap was not faster than compiled loops on CPU)",
-    )
-    parser.add_argument(
-        "--order", default="loops,nestling-eager,nestling-fast,flower", help="engines, in run order"
-    )
-    parser.add_argument("--engine", choices=("loops", "nestling-eager", "nestling-fast", "flower"))
+    parser.add_argument("--order", default=",".join(ENGINES), help="engines, in run order")
+    parser.add_argument("--engine", choices=tuple(ENGINES))
     a = parser.parse_args()
     if a.engine is None:
         report(a)
         return
     torch.set_num_threads(1)
-    run = {
-        "loops": lambda: run_loops(a),
-        "flower": lambda: run_flower(a),
-        "nestling-eager": lambda: run_nestling(a, "off", compile=False),
-        "nestling-fast": lambda: run_nestling(a, a.fast_batching, compile=True),
-    }[a.engine]
-    print(json.dumps(run()), flush=True)
+    how = ENGINES[a.engine]
+    if a.engine == "loops":
+        result = run_loops(a)
+    elif a.engine.startswith("flower"):
+        result = run_flower(a, how)
+    else:
+        result = run_nestling(a, how)
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
