@@ -12,7 +12,7 @@ from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
-from simulator.backend import InProcessBackend, split_jobs
+from simulator.backend import InProcessBackend, balanced_jobs, split_jobs
 from simulator.batched import BatchPolicy, batch_key, run_tasks, train_batched
 
 MODEL = ModelConfig("tinycnn", num_classes=5, in_channels=3, image_size=8)
@@ -100,8 +100,19 @@ class TestGrouping:
 
     def test_pool_jobs_cut_each_group_across_workers(self) -> None:
         tasks = make_tasks(5)
-        assert split_jobs(tasks, 2, BatchPolicy("off"), lambda _: 24) == [[0], [1], [2], [3], [4]]
+        assert split_jobs(tasks, 2, BatchPolicy("off")) == [[0], [1], [2], [3], [4]]  # sizes unknown
+        assert sorted(map(len, split_jobs(tasks, 2, BatchPolicy("off"), lambda _: 24))) == [2, 3]
         assert split_jobs(tasks, 2, BatchPolicy("on"), lambda _: 24) == [[0, 2, 4], [1, 3]]
+
+
+    def test_without_batching_each_worker_gets_one_job_of_near_equal_predicted_cost(self) -> None:
+        assert balanced_jobs([5.0, 1.0, 4.0, 2.0, 3.0], 2) in ([[0, 1, 3], [2, 4]], [[2, 4], [0, 1, 3]])
+        assert balanced_jobs([1.0, 1.0], 4) == [[0], [1]]  # never an empty job
+        big, small = make_tasks(1), make_tasks(2, width=0.25)
+        for k, t in enumerate(small):
+            t.device_id = f"dev-{k + 1:05d}"
+        jobs = split_jobs([*big, *small], 2, BatchPolicy("off"), lambda _: 24)
+        assert sorted(jobs) == [[0], [1, 2]]  # the full-width task alone, the two quarter-width ones together
 
 
 class TestPolicy:
