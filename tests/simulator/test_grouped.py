@@ -42,6 +42,8 @@ def assert_matches_sequential(tasks: list[Task], how: str = "grouped", rtol: flo
             assert many.weights[key].dtype == value.dtype and many.weights[key].shape == value.shape, key
             torch.testing.assert_close(many.weights[key], value, rtol=rtol, atol=atol, msg=key)
         assert many.metrics["steps"] == one.metrics["steps"]
+        assert many.metrics["peak_memory_kind"] == "rss_growth_group_share"  # the group's growth, shared out
+        assert isinstance(many.metrics["peak_memory_bytes"], int)
 
 
 class TestSameAsSequential:
