@@ -169,7 +169,7 @@ class GroupedClients:
                     part = value[k]
                 else:
                     part = value
-                out[k][key] = part.to("cpu").clone()
+                out[k][key] = part.to("cpu").clone(memory_format=torch.contiguous_format)
         return out
 
 

@@ -40,6 +40,7 @@ def assert_matches_sequential(tasks: list[Task], how: str = "grouped", rtol: flo
         assert list(one.weights) == list(many.weights)
         for key, value in one.weights.items():
             assert many.weights[key].dtype == value.dtype and many.weights[key].shape == value.shape, key
+            assert many.weights[key].is_contiguous(), key  # plain layout, whatever the training layout
             torch.testing.assert_close(many.weights[key], value, rtol=rtol, atol=atol, msg=key)
         assert many.metrics["steps"] == one.metrics["steps"]
         assert many.metrics["peak_memory_kind"] == "rss_growth_group_share"  # the group's growth, shared out
