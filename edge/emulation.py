@@ -20,6 +20,7 @@ from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
 
+ANY_MODEL = "*"  # block_latency_s key that applies to every model (FedScale's latencies are model-free)
 FLOPS_PER_MAC = 2.0
 TRAIN_OVER_FORWARD = 3.0  # forward + backward ≈ 3 × forward (FedScale's convention, docs/devices.md)
 
@@ -81,7 +82,7 @@ class DeviceSpeed(Protocol):
     """The figures emulation needs; simulator.catalogue.BoardClass and SpeedFigures both have them."""
 
     @property
-    def sustained_gflops(self) -> float: ...
+    def sustained_gflops(self) -> float | None: ...
 
     @property
     def up_bps(self) -> float: ...
@@ -93,30 +94,53 @@ class DeviceSpeed(Protocol):
     def latency_s(self) -> float: ...
 
 
+def measured_compute_seconds(
+    block_latency_s: Mapping[str, float] | None, spec: SubmodelSpec, samples: int, macs: MacCounter
+) -> float | None:
+    """Training time from a measured per-sample latency of the *full* model (a trace's `block_latency_s`,
+    keyed by model or ANY_MODEL): a submodel costs its share of the full model's MACs. None when the
+    device has no latency for this model (then FLOPs over its sustained speed apply)."""
+    latencies = block_latency_s or {}
+    per_sample = latencies.get(spec.model.arch, latencies.get(ANY_MODEL))
+    if per_sample is None:
+        return None
+    return float(per_sample) * samples * macs(spec) / macs(SubmodelSpec.full(spec.model))
+
+
 @dataclass(frozen=True)
 class SpeedFigures:
-    """Explicit figures, e.g. one device of a trace (gflops, up_bps, down_bps, latency_s fields)."""
+    """Explicit figures, e.g. one device of a trace (gflops, up_bps, down_bps, latency_s fields, and
+    measured per-sample training latencies where the trace has them)."""
 
-    sustained_gflops: float
+    sustained_gflops: float | None
     up_bps: float
     down_bps: float
     latency_s: float = 0.0
+    block_latency_s: Mapping[str, float] | None = None  # {model or "*": seconds per training sample}
 
     @classmethod
     def from_trace(cls, trace: Any) -> SpeedFigures:
-        """One device of a trace (simulator.traces.DeviceTrace); it needs a `gflops` speed."""
-        if trace.gflops is None:
+        """One device of a trace (simulator.traces.DeviceTrace): gflops, measured latencies, or both."""
+        if trace.gflops is None and not trace.block_latency_s:
             raise ValueError(
-                f"trace device '{trace.device_id}' has no gflops: emulation pads compute by FLOPs"
+                f"trace device '{trace.device_id}' has neither gflops nor block_latency_s: nothing to pad compute to"
             )
-        return cls(trace.gflops, trace.up_bps, trace.down_bps, trace.latency_s)
+        return cls(trace.gflops, trace.up_bps, trace.down_bps, trace.latency_s,
+                   dict(trace.block_latency_s) if trace.block_latency_s else None)
 
     def __post_init__(self) -> None:
-        for name in ("sustained_gflops", "up_bps", "down_bps"):
+        for name in ("up_bps", "down_bps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.sustained_gflops is None and not self.block_latency_s:
+            raise ValueError("sustained_gflops is needed unless block_latency_s gives measured latencies")
+        if self.sustained_gflops is not None and not self.sustained_gflops > 0:
+            raise ValueError(f"sustained_gflops must be > 0, got {self.sustained_gflops!r}")
         if self.latency_s < 0:
             raise ValueError(f"latency_s must be >= 0, got {self.latency_s!r}")
+        for model, seconds in (self.block_latency_s or {}).items():
+            if not (isinstance(seconds, (int, float)) and seconds > 0):
+                raise ValueError(f"block_latency_s[{model!r}] must be > 0 seconds per sample, got {seconds!r}")
 
 
 class EmulatedDevice:
@@ -129,7 +153,13 @@ class EmulatedDevice:
 
     def compute_seconds(self, train_flops: float) -> float:
         """How long the board takes for `train_flops` at its sustained speed."""
+        if self.board.sustained_gflops is None:
+            raise ValueError("this board has measured latencies but no sustained GFLOP/s for this model")
         return train_flops / (self.board.sustained_gflops * 1e9)
+
+    def pad_to(self, target_s: float, measured_s: float) -> float:
+        """Sleep until a phase predicted to take `target_s` has taken that long; returns the seconds slept."""
+        return self._pad(target_s, measured_s)
 
     def transfer_seconds(self, nbytes: int, direction: str = "up") -> float:
         """One-way latency plus the payload at the board's bandwidth in that direction."""
@@ -176,8 +206,11 @@ class EmulationTarget:
     def describe(self) -> dict[str, Any]:
         """What the agent's hello advertises (the server logs it and lists it in summary.json)."""
         figures = self.figures
-        return {"class": self.name, "trace_device": self.trace_device, "gflops": figures.sustained_gflops,
-                "up_bps": figures.up_bps, "down_bps": figures.down_bps, "latency_s": figures.latency_s}
+        described = {"class": self.name, "trace_device": self.trace_device, "gflops": figures.sustained_gflops,
+                     "up_bps": figures.up_bps, "down_bps": figures.down_bps, "latency_s": figures.latency_s}
+        if figures.block_latency_s:
+            described["measured_latency_models"] = sorted(figures.block_latency_s)
+        return described
 
 
 @dataclass
@@ -238,11 +271,16 @@ class TaskPacer:
         return record
 
     def compute(self, task: Task, num_samples: int, measured_s: float) -> TaskPacing:
-        """Training padded to the board: the FLOPs of the samples trained over its sustained speed."""
+        """Training padded to the board: its measured per-sample latency scaled to the submodel when it
+        has one for this model, else the FLOPs of the samples trained over its sustained speed."""
         record = self._record(task.task_id)
-        flops = task_training_flops(task, num_samples, self.macs)
-        record.compute_s, record.measured_compute_s = self.device.compute_seconds(flops), measured_s
-        self._paced(record, lambda: self.device.pad_compute(measured_s, flops))
+        spec = SubmodelSpec.from_dict(task.spec)
+        samples = samples_trained(task.hparams, num_samples)
+        measured = measured_compute_seconds(self.target.figures.block_latency_s, spec, samples, self.macs)
+        target = measured if measured is not None else self.device.compute_seconds(
+            task_training_flops(task, num_samples, self.macs))
+        record.compute_s, record.measured_compute_s = target, measured_s
+        self._paced(record, lambda: self.device.pad_to(target, measured_s))
         return record
 
     def upload(self, result: Result, started: float) -> TaskPacing:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from edge.emulation import MacCounter, payload_bytes, samples_trained, training_flops
+from edge.emulation import MacCounter, measured_compute_seconds, payload_bytes, samples_trained, training_flops
 from nestling.messages import Task
 from nestling.spec import SubmodelSpec
-from simulator.traces import ANY_MODEL, DeviceTrace
+from simulator.traces import DeviceTrace
 
 __all__ = ["Arrival", "MacCounter", "TaskCost", "TraceDurations", "payload_bytes", "samples_trained"]
 
@@ -71,14 +71,10 @@ class TraceDurations:
         )
 
     def compute_seconds(self, trace: DeviceTrace, spec: SubmodelSpec, samples: int) -> float:
-        macs = self.macs(spec)
-        latencies = trace.block_latency_s or {}
-        per_sample = latencies.get(spec.model.arch, latencies.get(ANY_MODEL))
-        if per_sample is not None:
-            # Measured on the full model: a submodel costs its share of the full model's MACs.
-            full = self.macs(SubmodelSpec.full(spec.model))
-            return per_sample * samples * macs / full
-        return trace.compute_seconds(training_flops(macs, samples))
+        measured = measured_compute_seconds(trace.block_latency_s, spec, samples, self.macs)
+        if measured is not None:  # the same formula an emulating agent pads to
+            return measured
+        return trace.compute_seconds(training_flops(self.macs(spec), samples))
 
     def arrival(self, task: Task, now: float) -> Arrival:
         """Offline at dispatch: dropped at once. Going offline before the result is uploaded: dropped then."""

@@ -16,9 +16,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from edge.emulation import ANY_MODEL  # noqa: F401 - the trace format's "every model" key, defined once
 from nestling.errors import ConfigError
-
-ANY_MODEL = "*"  # block_latency_s key that applies to every model (FedScale's latencies are model-free)
 
 
 class TraceFieldError(ConfigError):

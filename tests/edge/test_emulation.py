@@ -66,8 +66,28 @@ def test_a_trace_device_is_emulated_with_its_own_figures() -> None:
     trace = DeviceTrace("pi-7", "rpi4", 2**30, up_bps=4e6, down_bps=8e6, latency_s=0.03, gflops=5.0)
     figures = SpeedFigures.from_trace(trace)
     assert figures == SpeedFigures(sustained_gflops=5.0, up_bps=4e6, down_bps=8e6, latency_s=0.03)
-    with pytest.raises(ValueError, match="no gflops"):
-        SpeedFigures.from_trace(DeviceTrace("x", "fedscale", 1, 1.0, 1.0, 0.0, block_latency_s={"*": 0.1}))
+    measured_only = SpeedFigures.from_trace(DeviceTrace("x", "fedscale", 1, 1.0, 1.0, 0.0, block_latency_s={"*": 0.1}))
+    assert measured_only.sustained_gflops is None and measured_only.block_latency_s == {"*": 0.1}
+    with pytest.raises(ValueError, match="sustained_gflops is needed unless block_latency_s"):
+        SpeedFigures(sustained_gflops=None, up_bps=1.0, down_bps=1.0)
+
+
+def test_a_trace_device_with_only_measured_latency_is_paced_as_the_replay_predicts() -> None:
+    """FedScale-style devices carry seconds per sample, no GFLOP/s: a submodel costs its MAC share."""
+    from edge.emulation import EmulationTarget, TaskPacer
+    from simulator.durations import TraceDurations
+
+    trace = DeviceTrace("fs-3", "fedscale", 2**30, up_bps=4e6, down_bps=8e6, latency_s=0.0,
+                        block_latency_s={"tinycnn": 0.02})
+    half = SubmodelSpec(ModelConfig("tinycnn", num_classes=4, in_channels=3, image_size=8), width=0.5)
+    task = _task_on(half, {"local_epochs": 1, "batch_size": 8})  # 30 samples: 8+8+8+6
+    predicted = TraceDurations({"dev-00000": trace}, {"dev-00000": 30}, (3, 8, 8)).cost(task)
+    sleeps = Sleeps()
+    pacer = TaskPacer(EmulationTarget.of_trace(trace), (3, 8, 8), sleep=sleeps, clock=FakeClock())
+    record = pacer.compute(task, 30, measured_s=0.05)
+    share = count_macs(build(half), (3, 8, 8)) / count_macs(build(SubmodelSpec.full(half.model)), (3, 8, 8))
+    assert record.compute_s == pytest.approx(predicted.compute_s) == pytest.approx(0.02 * 30 * share)
+    assert sleeps[-1] == pytest.approx(record.compute_s - 0.05)
 
 
 def test_figures_must_be_positive() -> None:
