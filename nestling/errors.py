@@ -18,7 +18,14 @@ class DataError(NestlingError):
 
 
 class WireError(NestlingError):
-    """A message on the wire is malformed, corrupt, oversized or does not match its task."""
+    """A message on the wire is malformed, corrupt, oversized or does not match its task.
+
+    `reason` is the counter name a server files it under (malformed, oversized, sha_mismatch,
+    unknown_schema, non_finite), so admission never has to parse the message text."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class DependencyError(NestlingError):

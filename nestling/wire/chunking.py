@@ -157,11 +157,13 @@ class ChunkAssembler:
         if transfer is None:
             if total_length > self.max_payload_bytes:
                 raise WireError(
-                    f"transfer {transfer_id} of {total_length} bytes exceeds {self.max_payload_bytes} bytes"
+                    f"transfer {transfer_id} of {total_length} bytes exceeds {self.max_payload_bytes} bytes",
+                    "oversized",
                 )
             if len(self._transfers) >= self.max_transfers:
                 raise WireError(
-                    f"too many concurrent transfers ({self.max_transfers}); dropped {transfer_id}"
+                    f"too many concurrent transfers ({self.max_transfers}); dropped {transfer_id}",
+                    "oversized",
                 )
             transfer = _Transfer(count, chunk_size, total_length, payload_sha256, now)
             self._transfers[transfer_id] = transfer
@@ -177,7 +179,8 @@ class ChunkAssembler:
             return None  # QoS 1 redelivery or an answered re-request that crossed a late original
         if self.buffered_bytes + len(frame.body) > self.max_buffered_bytes:
             raise WireError(
-                f"chunk buffer full ({self.max_buffered_bytes} bytes); dropped chunk {index} of {transfer_id}"
+                f"chunk buffer full ({self.max_buffered_bytes} bytes); dropped chunk {index} of {transfer_id}",
+                "oversized",
             )
         transfer.parts[index] = frame.body
         transfer.buffered += len(frame.body)
@@ -187,7 +190,7 @@ class ChunkAssembler:
         self._forget(transfer_id)
         payload = b"".join(transfer.parts[i] for i in range(transfer.count))
         if hashlib.sha256(payload).hexdigest() != transfer.payload_sha256:
-            raise WireError(f"transfer {transfer_id}: reassembled payload sha256 mismatch")
+            raise WireError(f"transfer {transfer_id}: reassembled payload sha256 mismatch", "sha_mismatch")
         self._finished[transfer_id] = None
         while len(self._finished) > 4096:
             self._finished.popitem(last=False)
@@ -278,7 +281,8 @@ class ChunkCache:
         size = sum(len(c) for c in chunks)
         if size > self.max_bytes:
             raise WireError(
-                f"transfer {transfer_id} of {size} bytes exceeds the chunk cache ({self.max_bytes} bytes)"
+                f"transfer {transfer_id} of {size} bytes exceeds the chunk cache ({self.max_bytes} bytes)",
+                "oversized",
             )
         self.drop(transfer_id)
         while self._entries and (

@@ -133,7 +133,7 @@ def pack_frame(kind: str, header: Mapping[str, Any], body: bytes | bytearray | m
     except (TypeError, ValueError) as error:
         raise WireError(f"header is not JSON-serialisable: {error}") from error
     if len(header_json) > MAX_HEADER_BYTES:
-        raise WireError(f"header of {len(header_json)} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes")
+        raise WireError(f"header of {len(header_json)} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes", "oversized")
     return b"".join((_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_json)), header_json, body))
 
 
@@ -144,16 +144,16 @@ def _reject_json_constant(name: str) -> Any:
 def _parse_header(view: memoryview, max_bytes: int) -> tuple[dict[str, Any], int]:
     """Check preamble and header; return the header and the offset where the body starts."""
     if len(view) > max_bytes:
-        raise WireError(f"message of {len(view)} bytes exceeds the limit of {max_bytes} bytes")
+        raise WireError(f"message of {len(view)} bytes exceeds the limit of {max_bytes} bytes", "oversized")
     if len(view) < _PREAMBLE.size:
         raise WireError(f"truncated preamble: {len(view)} bytes, need {_PREAMBLE.size}")
     magic, format_version, header_length = _PREAMBLE.unpack_from(view)
     if magic != MAGIC:
         raise WireError(f"wrong magic {bytes(magic)!r}, expected {MAGIC!r}: not a Nestling message")
     if format_version != FORMAT_VERSION:
-        raise WireError(f"unknown format version {format_version} (supported: {FORMAT_VERSION})")
+        raise WireError(f"unknown format version {format_version} (supported: {FORMAT_VERSION})", "unknown_schema")
     if header_length > MAX_HEADER_BYTES:
-        raise WireError(f"header of {header_length} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes")
+        raise WireError(f"header of {header_length} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes", "oversized")
     body_start = _PREAMBLE.size + header_length
     if len(view) < body_start:
         raise WireError(f"truncated header: {len(view) - _PREAMBLE.size} of {header_length} bytes")
@@ -166,7 +166,7 @@ def _parse_header(view: memoryview, max_bytes: int) -> tuple[dict[str, Any], int
     schema = header.get("schema")
     if "schema" in header and (not _is_int(schema) or schema not in SUPPORTED_SCHEMA_VERSIONS):
         supported = ", ".join(map(str, sorted(SUPPORTED_SCHEMA_VERSIONS)))
-        raise WireError(f"unknown schema version {schema!r:.40} (supported: {supported})")
+        raise WireError(f"unknown schema version {schema!r:.40} (supported: {supported})", "unknown_schema")
     _check_fields(header)
     return header, body_start
 
@@ -191,7 +191,7 @@ def unpack_frame(
     if len(body) > declared:
         raise WireError(f"body has {len(body) - declared} bytes beyond its declared length {declared}")
     if hashlib.sha256(body).hexdigest() != header["body_sha256"]:
-        raise WireError("body sha256 mismatch: the body was corrupted or altered in transit")
+        raise WireError("body sha256 mismatch: the body was corrupted or altered in transit", "sha_mismatch")
     return Frame(header=header, body=body)
 
 
@@ -247,4 +247,4 @@ def check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
     """Raise WireError naming the first tensor holding NaN or Inf (a poisoned update)."""
     for name, tensor in tensors.items():
         if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
-            raise WireError(f"tensor {name!r} contains NaN or Inf")
+            raise WireError(f"tensor {name!r} contains NaN or Inf", "non_finite")

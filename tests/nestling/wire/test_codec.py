@@ -160,3 +160,13 @@ def test_check_finite_names_the_first_poisoned_tensor():
         check_finite(poisoned)
     with pytest.raises(WireError, match="'h'"):
         check_finite({"h": torch.tensor([float("-inf")], dtype=torch.float16)})
+
+
+def test_wire_errors_carry_the_reason_a_server_counts_them_under() -> None:
+    """Admission files errors by `reason`, never by parsing the message."""
+    from nestling.wire.codec import check_finite
+
+    with pytest.raises(WireError) as caught:
+        check_finite({"w": torch.tensor([float("nan")])})
+    assert caught.value.reason == "non_finite"
+    assert WireError("anything").reason == "malformed"
