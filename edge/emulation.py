@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 from nestling.messages import Result, Task
 from nestling.models.cost import count_macs
-from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
 
@@ -28,11 +27,6 @@ TRAIN_OVER_FORWARD = 3.0  # forward + backward ≈ 3 × forward (FedScale's conv
 def training_flops(forward_macs: float, samples: int) -> float:
     """FLOPs of training `samples` samples on a model of `forward_macs` MACs per sample."""
     return forward_macs * FLOPS_PER_MAC * TRAIN_OVER_FORWARD * samples
-
-
-def model_training_flops(model: ScalableNet, input_shape: tuple[int, int, int], samples: int) -> float:
-    """What an agent passes to `pad_compute`: the FLOPs of the submodel it just trained."""
-    return training_flops(count_macs(model, input_shape), samples)
 
 
 def samples_trained(hparams: Mapping[str, Any], num_samples: int) -> int:
@@ -157,10 +151,6 @@ class EmulatedDevice:
             raise ValueError("this board has measured latencies but no sustained GFLOP/s for this model")
         return train_flops / (self.board.sustained_gflops * 1e9)
 
-    def pad_to(self, target_s: float, measured_s: float) -> float:
-        """Sleep until a phase predicted to take `target_s` has taken that long; returns the seconds slept."""
-        return self._pad(target_s, measured_s)
-
     def transfer_seconds(self, nbytes: int, direction: str = "up") -> float:
         """One-way latency plus the payload at the board's bandwidth in that direction."""
         if direction not in ("up", "down"):
@@ -168,15 +158,12 @@ class EmulatedDevice:
         bps = self.board.up_bps if direction == "up" else self.board.down_bps
         return self.board.latency_s + 8.0 * nbytes / bps
 
-    def pad_compute(self, measured_s: float, train_flops: float) -> float:
-        """Sleep for predicted − measured training time; returns the seconds slept."""
-        return self._pad(self.compute_seconds(train_flops), measured_s)
-
     def pace_transfer(self, nbytes: int, direction: str = "up", elapsed_s: float = 0.0) -> float:
         """Call after sending (up) or receiving (down) `nbytes`, with the time that took; sleeps the rest."""
-        return self._pad(self.transfer_seconds(nbytes, direction), elapsed_s)
+        return self.pad_to(self.transfer_seconds(nbytes, direction), elapsed_s)
 
-    def _pad(self, target_s: float, spent_s: float) -> float:
+    def pad_to(self, target_s: float, spent_s: float) -> float:
+        """Sleep until a phase predicted to take `target_s` has taken that long; returns the seconds slept."""
         wait = target_s - max(0.0, spent_s)
         if wait <= 0:
             self.overrun_s += -wait

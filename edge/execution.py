@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nestling.config import PRECISIONS
 from nestling.errors import ConfigError
-
-PRECISIONS = ("fp32", "bf16")
 
 
 def check_precision(precision: str) -> str:

@@ -91,7 +91,7 @@ class RunSection:
 
 BACKENDS = ("auto", "inprocess", "pool", "ray")
 BATCHING = ("off", "on", "auto")
-PRECISIONS = ("fp32", "bf16")  # edge.execution.PRECISIONS; nestling/ does not import edge/
+PRECISIONS = ("fp32", "bf16")  # [train] precision: edge/execution.py applies it
 
 
 @dataclass

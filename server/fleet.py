@@ -31,10 +31,6 @@ from server.strategies.base import Strategy
 log = logging.getLogger("nestling.fleet")
 
 
-def local_hparams(cfg: FleetConfig) -> dict[str, Any]:
-    return cfg.run.train.local_hparams()
-
-
 def transport_settings(cfg: FleetConfig) -> TransportSettings:
     fleet = cfg.fleet
     return TransportSettings(chunk_size=fleet.chunk_kb * 1024, max_message_bytes=fleet.max_message_mb * 1024 * 1024,
@@ -49,7 +45,7 @@ def make_strategy(cfg: FleetConfig, num_classes: int, input_shape: tuple[int, in
         arch=cfg.run.model.arch, num_classes=num_classes, in_channels=channels, image_size=size,
         num_clients=cfg.fleet.devices, total_rounds=run.rounds, seed=run.seed,
         schedule=LrSchedule(train.schedule, train.lr, train.gamma, tuple(train.milestones)),
-        local=local_hparams(cfg), options=dict(cfg.run.method.options), model_extra=dict(cfg.run.model.extra))
+        local=cfg.run.train.local_hparams(), options=dict(cfg.run.method.options), model_extra=dict(cfg.run.model.extra))
     return create_strategy(cfg.run.method.name, ctx)
 
 

@@ -42,10 +42,6 @@ def fleet_args(cfg: SimConfig) -> dict[str, Any]:
                 limit_test=cfg.data.limit_test, augment=cfg.data.augment)
 
 
-def local_hparams(cfg: SimConfig) -> dict[str, Any]:
-    return cfg.train.local_hparams()
-
-
 def resolve_workers(cfg: SimConfig) -> int:
     if cfg.run.device.startswith("cuda"):
         return 1  # one process owns the GPU
@@ -90,7 +86,7 @@ def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
         arch=cfg.model.arch, num_classes=bundle.num_classes, in_channels=channels, image_size=size,
         num_clients=count, total_rounds=cfg.run.rounds, seed=cfg.run.seed,
         schedule=LrSchedule(cfg.train.schedule, cfg.train.lr, cfg.train.gamma, tuple(cfg.train.milestones)),
-        local=local_hparams(cfg), options=dict(cfg.method.options), model_extra=dict(cfg.model.extra),
+        local=cfg.train.local_hparams(), options=dict(cfg.method.options), model_extra=dict(cfg.model.extra),
         dataset=bundle.name)
     strategy = create_strategy(cfg.method.name, ctx)
     devices = make_devices(fleet, count)
