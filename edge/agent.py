@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -22,6 +23,7 @@ from edge.agent_config import AgentConfig
 from edge.emulation import EmulationTarget, TaskPacer
 from edge.monitor import ResourceMonitor
 from edge.procedures import ClientData, DeviceStore
+from edge.store_state import load_store_file, save_store_file
 from edge.trainer import run_task
 from nestling.errors import NestlingError, WireError
 from nestling.fleet_export import EXPORT, ExportOrder, decode_export_order, encode_export_report
@@ -60,7 +62,9 @@ class Agent:
         self.device_id = config.device.id
         self.topics = FleetTopics(config.broker.fleet)
         self.monitor = monitor or ResourceMonitor(config.device.torch_device)
-        self.store = DeviceStore()  # the procedures' per-device state, kept across rounds
+        # The procedures' per-device state, kept across rounds (and restarts, with [device] state_file).
+        self.state_file = Path(config.device.state_file) if config.device.state_file else None
+        self.store = load_store_file(self.state_file, self._store_owner()) if self.state_file else DeviceStore()
         self.server_session: str | None = None
         self.results_sent = 0
         self.state: str = "online"
@@ -308,6 +312,7 @@ class Agent:
         finally:
             self.state, self._training = "online", None
         trained = time.monotonic()
+        self._save_store()
         payload = encode_result(result, session)
         frames = self.outbound.frames(payload, "server")
         self._sent = SentResult(task.task_id, task.round, session, frames)
@@ -319,6 +324,18 @@ class Agent:
         log.info("round %d: sent %s for submodel %s (%.2f MB, %.2fs training, loss %s)", task.round, task.task_id,
                  result.spec_id, len(payload) / 1e6, result.metrics["train_seconds"], result.metrics.get("loss_mean"))
         self._heartbeat()
+
+    def _store_owner(self) -> str:
+        return f"{self.config.broker.fleet}/{self.device_id}"
+
+    def _save_store(self) -> None:
+        """Persist the store after each task; a full disk costs the state, never the result."""
+        if self.state_file is None or not self.store:
+            return
+        try:
+            save_store_file(self.state_file, self.store, self._store_owner())
+        except OSError as exc:
+            log.error("could not save device state to %s: %s", self.state_file, exc)
 
     def _pad_training(self, task: Task, result: Result, measured_s: float) -> None:
         assert self.pacer is not None and self.emulation is not None

@@ -23,6 +23,9 @@ class DeviceSection:
     emulate: str | None = None  # "rpi4", "phone-low", ... (simulator/catalogue.py)
     emulate_trace: str | None = None  # a trace file (relative to this file) ...
     emulate_device: str | None = None  # ... and the device_id whose figures to take
+    # Where the procedures' per-device state (m-FeDepth's auxiliary models, FedDyn's h_k) survives an agent
+    # restart or a power cut, relative to this file; unset: it lives in memory only.
+    state_file: str | None = None
 
 
 @dataclass
@@ -73,6 +76,8 @@ def agent_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Agen
     validate_id(config.device.id, "[device] id")
     if config.data.root is not None:
         config.data.root = str(base / config.data.root)  # relative to the config file (absolute stays)
+    if config.device.state_file is not None:
+        config.device.state_file = str(base / config.device.state_file)
     if config.device.emulate_trace is not None:
         config.device.emulate_trace = str(base / config.device.emulate_trace)
     d, a = config.data, config.agent

@@ -20,8 +20,11 @@ CHECKPOINT_FORMAT = 1
 
 
 def save_checkpoint(root: Path, round_index: int, tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
-                    keep: int = 3) -> Path:
-    """Write round `round_index` so that a crash at any instant leaves either the old or the new checkpoint."""
+                    keep: int = 3, sides: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """Write round `round_index` so that a crash at any instant leaves either the old or the new checkpoint.
+
+    `sides`: further tensor sets (e.g. the simulator's per-device stores) written as `NAME.safetensors`
+    in the same atomic folder, each listed with its sha256 under the manifest's `sides`."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"round-{round_index:06d}"
     tmp = root / f".round-{round_index:06d}.tmp-{os.getpid()}"
@@ -30,7 +33,14 @@ def save_checkpoint(root: Path, round_index: int, tensors: dict[str, torch.Tenso
     tmp.mkdir()
     weights = tmp / "global.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights))
-    body = {**manifest, "format": CHECKPOINT_FORMAT, "round": round_index, "weights_sha256": sha256_file(weights)}
+    side_sums: dict[str, str] = {}
+    for name, side in (sides or {}).items():
+        if not name.isidentifier():
+            raise ConfigError(f"checkpoint side name {name!r} must be an identifier")
+        save_file({k: v.contiguous() for k, v in side.items()}, str(tmp / f"{name}.safetensors"))
+        side_sums[name] = sha256_file(tmp / f"{name}.safetensors")
+    body = {**manifest, "format": CHECKPOINT_FORMAT, "round": round_index, "weights_sha256": sha256_file(weights),
+            "sides": side_sums}
     with (tmp / "manifest.json").open("w") as fh:
         json.dump(body, fh, indent=1, sort_keys=True)
         fh.flush()
@@ -66,7 +76,11 @@ def latest_checkpoint(root: Path) -> Path | None:
             body = json.loads(manifest.read_text())
         except json.JSONDecodeError:
             continue
-        if body.get("weights_sha256") == sha256_file(weights):
+        sides = body.get("sides", {}) if isinstance(body.get("sides", {}), dict) else {}
+        if body.get("weights_sha256") == sha256_file(weights) and all(
+            (candidate / f"{name}.safetensors").is_file() and sha256_file(candidate / f"{name}.safetensors") == digest
+            for name, digest in sides.items()
+        ):
             return candidate
     return None
 
@@ -79,3 +93,15 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     if manifest.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"checkpoint {path} has format {manifest.get('format')}, expected {CHECKPOINT_FORMAT}")
     return load_file(str(path / "global.safetensors")), manifest
+
+
+def load_checkpoint_side(path: Path, name: str) -> dict[str, torch.Tensor] | None:
+    """Side tensor set `name` of a checkpoint, or None when the checkpoint was written without it."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    digest = manifest.get("sides", {}).get(name)
+    if digest is None:
+        return None
+    file = path / f"{name}.safetensors"
+    if not file.is_file() or sha256_file(file) != digest:
+        raise ConfigError(f"checkpoint {path}: {name}.safetensors is missing or does not match its sha256")
+    return load_file(str(file))

@@ -14,13 +14,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from nestling.errors import NestlingError
 from nestling.messages import Result, Task
-from server.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from server.checkpoint import latest_checkpoint, load_checkpoint, load_checkpoint_side, save_checkpoint
 from server.clock import Clock
 from server.evaluation import EvalResult, Evaluator
 from server.strategies.base import DeviceInfo, Strategy
@@ -69,12 +70,23 @@ def tensor_bytes(tensors: dict) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
+class SideState(Protocol):
+    """State outside the strategy that a checkpoint must carry for a resumed run to match an uninterrupted
+    one: the simulator's per-device stores (on a real fleet they stay on the boards)."""
+
+    name: str
+
+    def snapshot(self) -> dict[str, torch.Tensor]: ...
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+
 class Coordinator:
     """Drives a Strategy through rounds over any Transport, reading any Clock."""
 
     def __init__(self, strategy: Strategy, transport: Transport, clock: Clock, evaluator: Evaluator | None,
                  policy: RoundPolicy, out_dir: Path | None = None,
-                 on_round: Callable[[RoundRecord], None] | None = None) -> None:
+                 on_round: Callable[[RoundRecord], None] | None = None, side: SideState | None = None) -> None:
         self.strategy = strategy
         self.transport = transport
         self.clock = clock
@@ -82,6 +94,7 @@ class Coordinator:
         self.policy = policy
         self.out_dir = out_dir
         self.on_round = on_round
+        self.side = side
         self.start_round = 0
         self.totals: Counter[str] = Counter()
         self.last_eval: list[EvalResult] = []
@@ -195,7 +208,9 @@ class Coordinator:
             manifest = {"method": self.strategy.name, "strategy": self.strategy.state_meta(),
                         "seed": self.policy.seed, "totals": dict(self.totals),
                         "model": self.strategy.model.to_dict(), "context": self.strategy.ctx.to_record()}
-            save_checkpoint(self.out_dir / "checkpoints", round_index, self.strategy.state_tensors(), manifest)
+            sides = {self.side.name: self.side.snapshot()} if self.side else None
+            save_checkpoint(self.out_dir / "checkpoints", round_index, self.strategy.state_tensors(), manifest,
+                            sides=sides)
 
     def resume(self) -> int:
         """Continue after the newest complete checkpoint; metrics of later, unfinished rounds are dropped."""
@@ -208,6 +223,8 @@ class Coordinator:
         if manifest.get("method") != self.strategy.name:
             raise NestlingError(f"checkpoint is for method '{manifest.get('method')}', not '{self.strategy.name}'")
         self.strategy.load_state(tensors, manifest.get("strategy", {}))
+        if self.side:
+            self.side.restore(load_checkpoint_side(path, self.side.name) or {})
         self.totals.update(manifest.get("totals", {}))
         self.start_round = int(manifest["round"]) + 1
         metrics = self.out_dir / "metrics.jsonl"

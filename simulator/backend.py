@@ -13,6 +13,7 @@ import torch
 
 from edge.emulation import samples_trained
 from edge.procedures import ClientData, DeviceStore
+from edge.store_state import stores_from_tensors, stores_to_tensors
 from nestling.messages import Result, Task
 from simulator.batched import BatchPolicy, batch_key, run_tasks
 from simulator.packing import PackedState, pack_state
@@ -22,7 +23,9 @@ Job = list[tuple[Task, DeviceStore]]
 
 
 class Backend(Protocol):
-    """Trains a batch of tasks and returns their results in the same order."""
+    """Trains a batch of tasks and returns their results in the same order; keeps each device's store."""
+
+    stores: dict[str, DeviceStore]
 
     def run(self, tasks: list[Task]) -> list[Result]: ...
 
@@ -45,6 +48,22 @@ class InProcessBackend:
 
     def close(self) -> None:
         pass
+
+
+class DeviceStoreSide:
+    """A backend's per-device stores as checkpoint side state (coordinator.SideState)."""
+
+    name = "device_stores"
+
+    def __init__(self, stores: dict[str, DeviceStore]) -> None:
+        self.stores = stores
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return stores_to_tensors(self.stores)
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.stores.clear()
+        self.stores.update(stores_from_tensors(tensors))
 
 
 def single_thread() -> None:

@@ -18,7 +18,7 @@ from server.evaluation import Evaluator
 from server.run_report import plot_accuracy, read_metrics, summarise, write_summary
 from server.strategies import StrategyContext, create_strategy
 from server.strategies.base import DeviceInfo
-from simulator.backend import Backend, DataProvider, InProcessBackend, ProcessPoolBackend
+from simulator.backend import Backend, DataProvider, DeviceStoreSide, InProcessBackend, ProcessPoolBackend
 from simulator.batched import BatchPolicy
 from simulator.fleetdata import FleetData, device_id, device_index, load_fleet_data
 from simulator.inprocess import InProcessTransport
@@ -107,7 +107,8 @@ def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
                          checkpoint_every=cfg.run.checkpoint_every, seed=cfg.run.seed)
     clock = replay.clock if replay else WallClock()
     hook = replay.after_round(on_round) if replay else on_round
-    coordinator = Coordinator(strategy, transport, clock, evaluator, policy, out_dir, hook)
+    coordinator = Coordinator(strategy, transport, clock, evaluator, policy, out_dir, hook,
+                              side=DeviceStoreSide(backend.stores))
     if resume:
         coordinator.resume()
     elif (out_dir / "metrics.jsonl").exists():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,8 @@ from nestling.models.layers import SlimBatchNorm2d, SlimLayerNorm, SlimLinear
 from nestling.models.net import ScalableNet
 from profiler.decompose import StagePlan
 from profiler.memory import SavedTensorMeter, gradient_bytes, model_tensors, optimizer_bytes, tensor_bytes
+
+log = logging.getLogger("nestling.procedures")
 
 AUX_KEY = "m-fedepth/aux{}"
 # Called after every step when given: (stage, meter of that step's forward, optimizer, trainable parameters).
@@ -216,6 +219,12 @@ def load_auxiliaries(model: ScalableNet, store: DeviceStore, count: int) -> list
     for m in range(count):
         saved = store.get(AUX_KEY.format(m))
         if saved is None:
+            peers.append(fresh_auxiliary(model))
+            continue
+        expected = model.state_dict()
+        if set(saved) != set(expected) or any(saved[k].shape != v.shape for k, v in expected.items()):
+            # Kept from another model (a new run, a restored state file): it cannot distil this one.
+            log.warning("auxiliary model %d in the device store does not fit the task's model: starting afresh", m)
             peers.append(fresh_auxiliary(model))
             continue
         peer = copy.deepcopy(model)

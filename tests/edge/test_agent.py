@@ -206,3 +206,31 @@ def test_agent_config_errors_name_the_key():
         agent_config_from_dict({"broker": {"url": "mqtts://broker:8883"}, "device": {"id": "a"}})
     with pytest.raises(ConfigError, match="device"):
         agent_config_from_dict({"device": {"id": "a/b"}})
+
+
+def test_the_device_store_survives_an_agent_restart_with_a_state_file(broker, server, tmp_path):
+    from edge.procedures.feddyn import STORE_KEY
+
+    config = agent_config_from_dict({
+        "broker": {"url": broker.url, "fleet": FLEET},
+        "device": {"id": DEVICE, "memory_budget_mb": 48, "state_file": "state/store.safetensors"},
+        "agent": {"heartbeat_s": 0.5},
+    }, base=tmp_path)
+    ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=4,
+                          total_rounds=3, local={"local_steps": 2, "batch_size": 8}, options={"feddyn_alpha": 0.1})
+    task = create_strategy("depthfl", ctx).assign(0, [DeviceInfo(DEVICE, 3, 40)])[DEVICE]
+    data = ClientData(torch.randn(40, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 10)
+    first = Agent(config, data).start()
+    try:
+        server.next("hello")
+        server.announce("s-state")
+        for chunk in split_into_chunks("task-state", encode_task(task, "s-state"), 64 * 1024):
+            server.publish(server.topics.task(DEVICE), chunk)
+        assert server.next_result().task_id == task.task_id
+    finally:
+        first.stop()
+    h = first.store[STORE_KEY]
+    assert h and any(bool(v.abs().sum() > 0) for v in h.values())  # FedDyn's h_k moved during training
+    restarted = Agent(config, data)  # a power cut later: the new process reads the file
+    assert set(restarted.store[STORE_KEY]) == set(h)
+    assert all(torch.equal(restarted.store[STORE_KEY][k], h[k]) for k in h)

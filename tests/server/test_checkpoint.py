@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nestling.errors import ConfigError
-from server.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from server.checkpoint import latest_checkpoint, load_checkpoint, load_checkpoint_side, save_checkpoint
 
 
 def tensors(value: float) -> dict[str, torch.Tensor]:
@@ -50,6 +50,25 @@ def test_a_corrupted_weights_file_is_skipped_for_the_previous_checkpoint(tmp_pat
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
     assert latest_checkpoint(tmp_path).name == "round-000001"
+
+
+def test_side_tensor_sets_round_trip_and_a_checkpoint_without_one_says_none(tmp_path: Path) -> None:
+    stores = {'["dev-1", "h", "w"]': torch.arange(6.0).reshape(2, 3)}
+    path = save_checkpoint(tmp_path, 1, tensors(1.0), {}, sides={"device_stores": stores})
+    assert torch.equal(load_checkpoint_side(path, "device_stores")['["dev-1", "h", "w"]'], torch.arange(6.0).reshape(2, 3))
+    assert load_checkpoint_side(path, "other") is None
+    with pytest.raises(ConfigError, match="identifier"):
+        save_checkpoint(tmp_path, 2, tensors(2.0), {}, sides={"../escape": stores})
+
+
+def test_a_checkpoint_whose_side_file_is_damaged_is_skipped(tmp_path: Path) -> None:
+    side = {"device_stores": {'["dev-1", "h"]': torch.ones(4)}}
+    save_checkpoint(tmp_path, 1, tensors(1.0), {}, sides=side)
+    newest = save_checkpoint(tmp_path, 2, tensors(2.0), {}, sides=side)
+    (newest / "device_stores.safetensors").write_bytes(b"torn")
+    assert latest_checkpoint(tmp_path).name == "round-000001"
+    with pytest.raises(ConfigError, match="device_stores.safetensors"):
+        load_checkpoint_side(newest, "device_stores")
 
 
 @pytest.mark.parametrize("damage", ["no_manifest", "bad_json", "no_weights"])

@@ -146,16 +146,25 @@ class Interrupted(Exception):
     pass
 
 
-@pytest.mark.parametrize("method", ["fedavg", "nefl-wd"])
-def test_resume_after_a_crash_gives_the_same_final_weights_as_an_uninterrupted_run(method: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method, arch, options", [
+    ("fedavg", "tinycnn", {}),
+    ("nefl-wd", "tinycnn", {}),
+    # Both keep per-device state between participations (auxiliary models; FedDyn's h_k): a resumed run
+    # must get it back from the checkpoint, or its clients restart from scratch.
+    ("m-fedepth", "preresnet20", {"budgets": "surplus"}),
+    ("depthfl", "tinycnn", {"feddyn_alpha": 0.1}),
+])
+def test_resume_after_a_crash_gives_the_same_final_weights_as_an_uninterrupted_run(
+    method: str, arch: str, options: dict, tmp_path: Path
+) -> None:
     from simulator.run import run_simulation
 
     cfg = config_from_dict({
         "run": {"rounds": 3, "seed": 3, "workers": 1, "eval_every": 0},
         "data": {"dataset": "synthetic", "clients": 4, "limit_train": 96, "limit_test": 20},
-        "model": {"arch": "tinycnn"},
-        "method": {"name": method},
-        "train": {"fraction": 0.5, "local_steps": 2, "batch_size": 16},
+        "model": {"arch": arch},
+        "method": {"name": method, **options},
+        "train": {"fraction": 1.0, "local_steps": 2, "batch_size": 16},
     })
     run_simulation(cfg, tmp_path / "straight")
 

@@ -212,3 +212,18 @@ def test_bad_plans_are_refused() -> None:
         fedepth(network(), StagePlan(((0, 1), (1, 2))))
     with pytest.raises(Exception, match="models >= 1"):
         fedepth(network(), THREE_STAGES, models=0)
+
+
+def test_an_auxiliary_of_another_model_in_the_store_is_replaced_by_a_fresh_one(caplog) -> None:
+    from edge.procedures.depthwise import AUX_KEY, load_auxiliaries
+    from edge.procedures.registry import DeviceStore
+    from nestling.models.config import ModelConfig
+    from nestling.models.zoo import build
+    from nestling.spec import SubmodelSpec
+
+    small = build(SubmodelSpec(ModelConfig("tinycnn", in_channels=1, image_size=16)))
+    other = build(SubmodelSpec(ModelConfig("tinycnn", in_channels=3, image_size=16)))
+    store = DeviceStore({AUX_KEY.format(0): {k: v.clone() for k, v in other.state_dict().items()}})
+    (peer,) = load_auxiliaries(small, store, 1)
+    assert all(peer.state_dict()[k].shape == v.shape for k, v in small.state_dict().items())
+    assert "does not fit" in caplog.text
