@@ -107,6 +107,7 @@ class MqttTransport:
         self._connections = 0
         self._reconnected = threading.Event()
         self.exports = ExportLedger()  # end-of-run export orders and the boards' reports
+        self._export_frames: dict[str, list[bytes]] = {}  # device id → its order's frames, until it reports
         client.max_inflight_messages_set(self.settings.max_inflight)  # chunks stream without waiting per ack
         client.on_connect = self._on_connect
         client.on_subscribe = lambda *_: self._subscribed.set()
@@ -259,6 +260,7 @@ class MqttTransport:
         if sender != device_id:
             raise WireError(f"hello on {device_id}'s topic names device {sender!r}")
         self.registry.register(device_id, profile, arrived)
+        self._resend_orders([device_id])
 
     def _on_status(self, device_id: str, payload: bytes, arrived: float) -> None:
         if bytes(payload) == OFFLINE:
@@ -345,9 +347,22 @@ class MqttTransport:
             frames = self._outbound.frames(encode_export_order(order, self.session), order.device_id)
             header = read_header(frames[0])
             self.exports.sent(order, header.get("transfer_id") if header["kind"] == CHUNK_KIND else None)
-            for frame in frames:
-                self.client.publish(self.topics.ctrl(order.device_id), frame, qos=QOS)
+            self._export_frames[order.device_id] = frames
+            self._publish_order(order.device_id)
         self.counters["export_orders"] += len(orders)
+
+    def _publish_order(self, device_id: str) -> None:
+        for frame in self._export_frames[device_id]:
+            self.client.publish(self.topics.ctrl(device_id), frame, qos=QOS)
+
+    def _resend_orders(self, device_ids: list[str]) -> None:
+        """Send an order again when it may have been lost whole: the server reconnected, or the board
+        registered anew (it restarted, forgetting the order). A board still exporting ignores the repeat
+        and one that finished answers it with its report again."""
+        for device_id in device_ids:
+            if device_id in self._export_frames and device_id not in self.exports.reports:
+                self._publish_order(device_id)
+                self.counters["export_orders_resent"] += 1
 
     def wait_exports(self, timeout_s: float) -> dict[str, ExportReport]:
         """Handle messages until every ordered device reported or `timeout_s` passed; the admitted reports."""
@@ -363,6 +378,7 @@ class MqttTransport:
             self._reject(device_id, reason, detail=f"export report {report.order_id}")
             return
         self.counters["export_reports"] += 1
+        self._export_frames.pop(device_id, None)
         log.info("export report from %s: %s %s", device_id, report.status, report.bundle or report.error)
 
     # -- timers ----------------------------------------------------------------------------------
@@ -376,6 +392,7 @@ class MqttTransport:
             for task_id in self._open.values():  # agents drop repeats of tasks they already have
                 self._send_task(self._tasks[task_id])
                 self.counters["tasks_resent"] += 1
+            self._resend_orders(list(self._export_frames))
         for device_id in self.registry.expire(self.clock.now()):
             self._device_gone(device_id)
         for device_id, inbound in list(self._inbound.items()):

@@ -20,6 +20,7 @@ import torch
 from export.infer import infer_main
 from nestling.data import load_dataset
 from nestling.fleet_export import ExportReport, decode_export_order, encode_export_report
+from nestling.fleet_transfers import Inbound
 from nestling.hashing import sha256_file
 from nestling.wire.chunking import encode_chunk_request
 from nestling.wire.client import make_client
@@ -182,3 +183,28 @@ def test_the_wait_for_reports_ends_at_its_timeout(exchange):
     started = time.monotonic()
     assert transport.wait_exports(0.6) == {} and 0.5 < time.monotonic() - started < 3
     assert transport.exports.pending() == ["board-a"]
+
+
+def read_order(board) -> tuple:
+    """Collect one whole (chunked) export order from the board's ctrl topic."""
+    while True:
+        whole = board.inbound.add(board.next_ctrl())
+        if whole is not None:
+            return decode_export_order(decode_message(whole))
+
+
+def test_an_order_lost_whole_is_sent_again_when_the_board_registers_anew_until_it_reports(exchange):
+    transport, board, order = exchange
+    transport.send_exports([order])
+    read_order(board)  # the board restarts before exporting: the order is gone with it
+    board.inbound = Inbound(256 * 1024 * 1024)
+    board.hello(tier=0, export={"on_finish": True, "format": "onnx"})
+    pump_until(transport, lambda: transport.counters.get("export_orders_resent", 0) == 1)
+    received, session = read_order(board)
+    assert (received.order_id, session) == (order.order_id, transport.session)
+    board.publish("result", encode_export_report(good_report(order), transport.session))
+    assert transport.wait_exports(5)["board-a"].status == "ok"
+    board.hello(tier=0, export={"on_finish": True, "format": "onnx"})  # reported: nothing more to send
+    pump_until(transport, lambda: transport.registry.known("board-a"))
+    transport.wait_for_devices(10**6, 0.5)
+    assert transport.counters["export_orders_resent"] == 1
