@@ -78,7 +78,7 @@ def test_a_broker_restart_mid_run_is_survived_by_server_and_agents(tmp_path):
     url = f"mqtt://127.0.0.1:{port}"
     broker = EmbeddedBroker(port=port).start()
     config = tmp_path / "fleet.toml"
-    config.write_text(fleet_toml(url, "restart", devices=3, rounds=4, deadline_s=20, local_steps=20))
+    config.write_text(fleet_toml(url, "restart", devices=3, rounds=4, deadline_s=60, local_steps=20))  # a busy box stays inside it
     agents = start_agents(tmp_path, url, "restart", 3)
     try:
         with ThreadPoolExecutor(1) as pool:
