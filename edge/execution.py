@@ -31,12 +31,16 @@ def check_precision(precision: str) -> str:
 def task_precision(hp: dict[str, Any], device: torch.device | str) -> Iterator[None]:
     """Autocast for the task's precision (a no-op for fp32). It wraps a whole local procedure, so
     every forward path (features, exits, auxiliary models) is covered; backward ops then run in the
-    dtype their forward used, and losses such as cross-entropy autocast to float32."""
+    dtype their forward used, and losses such as cross-entropy autocast to float32.
+
+    The weight-cast cache is off: autocast otherwise keeps each parameter's bf16 copy until the
+    outermost autocast region exits, and this region spans every optimiser step of the procedure, so
+    every forward after the first would run on the weights as they were downloaded."""
     precision = check_precision(str(hp.get("precision", "fp32")))
     if precision == "fp32":
         yield
         return
-    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, cache_enabled=False):
         yield
 
 

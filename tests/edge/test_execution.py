@@ -22,6 +22,48 @@ def test_bf16_runs_convolutions_in_bfloat16_and_fp32_does_not() -> None:
         assert conv(x).dtype == torch.float32
 
 
+def test_a_forward_under_bf16_sees_the_weights_as_they_are_now_not_as_first_cast() -> None:
+    # The context spans a whole local procedure: a cached bf16 copy of each weight would make every
+    # forward after the first optimiser step run on the downloaded weights.
+    conv = torch.nn.Conv2d(3, 4, 3)
+    x = torch.randn(2, 3, 8, 8)
+    with task_precision({"precision": "bf16"}, "cpu"):
+        before = conv(x)
+        with torch.no_grad():
+            conv.weight.mul_(-1.0)
+        after = conv(x)
+    with torch.no_grad():
+        expected = torch.nn.functional.conv2d(x.bfloat16(), conv.weight.bfloat16(), conv.bias.bfloat16())
+    assert not torch.allclose(before, after)
+    assert torch.equal(after, expected)
+
+
+def test_bf16_local_training_follows_fp32_training() -> None:
+    from dataclasses import replace
+
+    from edge.trainer import run_task
+    from edge.procedures import ClientData
+    from server.strategies import StrategyContext, create_strategy
+    from server.strategies.base import DeviceInfo
+
+    ctx = StrategyContext(arch="tinycnn", num_classes=4, in_channels=1, image_size=8, num_clients=1, total_rounds=1,
+                          local={"local_steps": 30, "batch_size": 16, "lr": 0.1})
+    strategy = create_strategy("fedavg", ctx)
+    task = strategy.assign(0, [DeviceInfo("dev-0", 0, 64)])["dev-0"]
+    generator = torch.Generator().manual_seed(1)
+    y = torch.arange(64) % 4
+    x = torch.randn(64, 1, 8, 8, generator=generator) * 0.5 + y.view(-1, 1, 1, 1).float()
+    data = ClientData(x, y)
+    fp32 = run_task(task, data)
+    bf16 = run_task(replace(task, hparams={**task.hparams, "precision": "bf16"}), data)
+    # Measured: 1.436 vs 1.437; with stale bf16 weight copies (only BN and bias learning) it was 1.552.
+    assert abs(bf16.metrics["loss_mean"] - fp32.metrics["loss_mean"]) < 0.03 * fp32.metrics["loss_mean"]
+    for key, start in task.weights.items():
+        if key.endswith("conv.weight"):
+            moved32, moved16 = (fp32.weights[key] - start).flatten(), (bf16.weights[key] - start).flatten()
+            assert torch.nn.functional.cosine_similarity(moved32, moved16, dim=0) > 0.9, key
+
+
 def test_unknown_precision_is_refused_with_the_allowed_values() -> None:
     with pytest.raises(ConfigError, match="precision must be one of fp32, bf16"):
         with task_precision({"precision": "fp16"}, "cpu"):
