@@ -82,9 +82,14 @@ def test_bf16_grouped_training_computes_the_same_losses_and_uploads_float32() ->
     start = tasks[0].weights
     for one, many in zip(alone, together):
         assert all(v.dtype == start[k].dtype for k, v in many.weights.items())
-        # Same weights, same first batch: the losses differ only by bf16 rounding. (Later steps diverge as
-        # fast in sequential bf16 vs fp32 on this 8-pixel toy: BN over 2x2 maps amplifies rounding.)
-        assert many.metrics["loss_first"] == pytest.approx(one.metrics["loss_first"], rel=2e-2)
+        # Grouped and one-by-one bf16 differ only by rounding, step after step (measured: loss means within
+        # 0.1 %, updates with cosine 0.9999).
+        for key in ("loss_first", "loss_mean", "loss_last"):
+            assert many.metrics[key] == pytest.approx(one.metrics[key], rel=1e-2), key
+        for key, value in start.items():
+            if value.is_floating_point() and value.numel() > 1 and not torch.equal(one.weights[key], value):
+                moved_alone, moved_together = (one.weights[key] - value).flatten(), (many.weights[key] - value).flatten()
+                assert torch.nn.functional.cosine_similarity(moved_alone, moved_together, dim=0) > 0.999, key
         assert many.metrics["loss_first"] != pytest.approx(
             train_batched(tasks_for(model, 2), datas)[0].metrics["loss_first"], rel=1e-6
         )
