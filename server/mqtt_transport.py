@@ -360,7 +360,7 @@ class MqttTransport:
         registered anew (it restarted, forgetting the order). A board still exporting ignores the repeat
         and one that finished answers it with its report again."""
         for device_id in device_ids:
-            if device_id in self._export_frames and device_id not in self.exports.reports:
+            if device_id in self._export_frames:  # dropped once its report is admitted
                 self._publish_order(device_id)
                 self.counters["export_orders_resent"] += 1
 

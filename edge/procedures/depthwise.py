@@ -216,13 +216,13 @@ def fresh_auxiliary(model: ScalableNet) -> ScalableNet:
 
 def load_auxiliaries(model: ScalableNet, store: DeviceStore, count: int) -> list[ScalableNet]:
     peers = []
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
     for m in range(count):
         saved = store.get(AUX_KEY.format(m))
         if saved is None:
             peers.append(fresh_auxiliary(model))
             continue
-        expected = model.state_dict()
-        if set(saved) != set(expected) or any(saved[k].shape != v.shape for k, v in expected.items()):
+        if {k: v.shape for k, v in saved.items()} != shapes:
             # Kept from another model (a new run, a restored state file): it cannot distil this one.
             log.warning("auxiliary model %d in the device store does not fit the task's model: starting afresh", m)
             peers.append(fresh_auxiliary(model))
