@@ -9,18 +9,15 @@ Run (in the background; ~25 min per method):
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-# Run as a script, this folder comes first on sys.path and benchmarks/profiler.py would shadow the package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse
 import json
 import time
 
 from nestling.config import load_config
-from simulator.run import run_simulation
+from nestling.simulator.run import run_simulation
 
 DEFAULT_METHODS = ("nefl-wd", "fjord", "heterofl")
 

@@ -7,20 +7,15 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/aggregate.py
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# Run as a script, this folder comes first on sys.path and benchmarks/profiler.py would shadow the package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
+import argparse
 import statistics
 import time
 
 import torch
 
 from nestling.messages import Result, Task
-from server.strategies import StrategyContext, create_strategy
-from server.strategies.base import DeviceInfo
+from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.server.strategies.base import DeviceInfo
 
 
 def main(clients: int = 20, repeats: int = 5) -> None:
@@ -60,4 +55,8 @@ def main(clients: int = 20, repeats: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    main(args.clients, args.repeats)

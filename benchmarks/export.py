@@ -8,11 +8,12 @@ One run on this CPU, everything timed side by side (interleaved, same thread cou
 3. times PyTorch eager, ONNX Runtime fp32 and int8 for both at batch 1 and 32;
 4. ends with `ort_speedup_b1=… smallest_over_full=… int8_acc_drop=…`.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/export.py --data-root /work/shared/data
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/export.py --data-root ../shared/data
 """
 
 from __future__ import annotations
 
+import os
 import argparse
 import json
 import shutil
@@ -21,22 +22,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this file's folder would come first on sys.path and its name would shadow the `export`
-# package it measures: put the repository root there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import torch
 
-from export.ort_bench import latency_table, ort_runner, ort_session
-from export.parity import Runner
-from export.pipeline import ExportData, ExportOptions, export_target, load_export_data
-from export.reference import reference_model
-from export.source import open_checkpoint
-from export.standalone import plan_outputs, reference_outputs
+from nestling.export.ort_bench import latency_table, ort_runner, ort_session
+from nestling.export.parity import Runner
+from nestling.export.pipeline import ExportData, ExportOptions, export_target, load_export_data
+from nestling.export.reference import reference_model
+from nestling.export.source import open_checkpoint
+from nestling.export.standalone import plan_outputs, reference_outputs
 from nestling.config import config_from_dict
-from server.checkpoint import latest_checkpoint
-from simulator.run import run_simulation
+from nestling.server.checkpoint import latest_checkpoint
+from nestling.simulator.run import run_simulation
 
 
 def training_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,7 +99,8 @@ def eager_runner(target: Any, data: ExportData) -> Runner:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-root", default="/work/shared/data")
+    parser.add_argument("--data-root", default=os.environ.get("NESTLING_DATA_ROOT", str(Path(__file__).resolve().parents[2] / "shared" / "data")),
+                        help="folder with cifar10/ (default: $NESTLING_DATA_ROOT, else ../shared/data beside the repo)")
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bench-export"))
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--clients", type=int, default=10)

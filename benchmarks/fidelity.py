@@ -48,9 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this folder comes first on sys.path, where benchmarks/profiler.py would shadow the
-# `profiler` package that Nestling imports; the benchmarks import nothing from their own folder.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 REPO = Path(__file__).resolve().parents[1]
 FLEET = "fidelity"
@@ -141,7 +138,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def run_simulator(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[str, Any]:
     from nestling.config import config_from_dict
-    from simulator.run import run_simulation
+    from nestling.simulator.run import run_simulation
 
     shared = shared_config(a)
     cfg = config_from_dict({**shared, "run": {**shared["run"], "traces": str(trace_path), "workers": 1},
@@ -175,8 +172,8 @@ def toml_tables(tables: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: Path) -> dict[str, Any]:
-    from server.broker import find_free_port, wait_for_port
-    from simulator.fleetdata import device_id
+    from nestling.server.broker import find_free_port, wait_for_port
+    from nestling.simulator.fleetdata import device_id
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     port = find_free_port()
@@ -211,7 +208,7 @@ def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: 
                 "data": {"dataset": a.dataset, "client_index": i, "num_clients": a.devices, "seed": a.seed,
                          "partition": "iid"},
                 "agent": {"heartbeat_s": 2.0}}))
-            start(f"agent-{i}", ["-m", "edge.agent_cli", "--config", str(config), "--emulate-trace", str(trace_path),
+            start(f"agent-{i}", ["-m", "nestling.edge.agent_cli", "--config", str(config), "--emulate-trace", str(trace_path),
                                  "--emulate-device", trace.device_id])
         # Let the agents finish starting (imports, data, warm-up) before the server's first round begins.
         give_up = time.monotonic() + 300
@@ -222,7 +219,7 @@ def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: 
             time.sleep(0.5)
         time.sleep(a.settle)
         agents_ready = time.perf_counter() - started
-        server = start("server", ["-m", "server.fleet", "--config", str(work / "fleet.toml")])
+        server = start("server", ["-m", "nestling.server.fleet", "--config", str(work / "fleet.toml")])
         if server.wait(timeout=a.timeout) != 0:
             raise RuntimeError(f"the server failed; see {work / 'server.log'}")
     finally:
@@ -266,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="keep the trace, both runs and every log here")
     a = parser.parse_args(argv)
 
-    from simulator.generate import generate_fleet
-    from simulator.traces import save_traces
+    from nestling.simulator.generate import generate_fleet
+    from nestling.simulator.traces import save_traces
 
     with tempfile.TemporaryDirectory() as scratch:
         work = (a.out or Path(scratch)).resolve()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.config import load_config
-from simulator.run import run_simulation
+from nestling.simulator.run import run_simulation
 
 PRECISIONS = {
     "fp32": {},

@@ -11,22 +11,18 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profiler.py
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# This script shares its name with the `profiler` package: keep its own folder off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import argparse
 
 import torch
 
-from edge.procedures import ClientData
-from edge.procedures.depthwise import measure_stage_peaks
+from nestling.edge.procedures import ClientData
+from nestling.edge.procedures.depthwise import measure_stage_peaks
 from nestling.models import ModelConfig, build
 from nestling.spec import SubmodelSpec
-from profiler.decompose import StagePlan
-from profiler.estimator import estimate
-from profiler.measure import profile_model
-from server.strategies import DeviceInfo, StrategyContext, create_strategy
+from nestling.profiler.decompose import StagePlan
+from nestling.profiler.estimator import estimate
+from nestling.profiler.measure import profile_model
+from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 
 BATCH = 32
 MIB = 2**20
@@ -67,7 +63,8 @@ def fedepth_peaks(budgets: str) -> float:
     return max(peaks) / budget
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     torch.set_num_threads(1)
     error = activation_errors()
     fair = fedepth_peaks("fair")

@@ -10,20 +10,15 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scale_10k.py
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this folder comes first on sys.path, where benchmarks/profiler.py would shadow the
-# `profiler` package that Nestling imports; the benchmarks import nothing from their own folder.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 from nestling.config import config_from_dict
-from simulator.generate import DEFAULT_MIX, generate_fleet
-from simulator.run import run_simulation
-from simulator.traces import save_traces
+from nestling.simulator.generate import DEFAULT_MIX, generate_fleet
+from nestling.simulator.run import run_simulation
+from nestling.simulator.traces import save_traces
 
 
 def main() -> None:

@@ -39,12 +39,12 @@ from nestling.spec import SubmodelSpec
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, decode_message, read_header
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
-from server.broker import find_free_port, mosquitto_binary, start_mosquitto
-from server.clock import WallClock
-from server.coordinator import Coordinator, RoundPolicy
-from server.mqtt_transport import MqttTransport, TransportSettings
-from server.registry import DeviceRegistry
-from server.strategies import StrategyContext, create_strategy
+from nestling.server.broker import find_free_port, mosquitto_binary, start_mosquitto
+from nestling.server.clock import WallClock
+from nestling.server.coordinator import Coordinator, RoundPolicy
+from nestling.server.mqtt_transport import MqttTransport, TransportSettings
+from nestling.server.registry import DeviceRegistry
+from nestling.server.strategies import StrategyContext, create_strategy
 
 FLEET = "bench"
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +157,7 @@ def echo_agents(port: int, count: int) -> None:
 
 
 def round_overhead(port: int, agents: int, rounds: int) -> float:
-    child = subprocess.Popen([sys.executable, "-m", "benchmarks.transport", "--echo-agents", str(agents),
+    child = subprocess.Popen([sys.executable, __file__, "--echo-agents", str(agents),
                               "--port", str(port)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "agents ready"

@@ -33,14 +33,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-# Run as a script, this folder comes first on sys.path, where benchmarks/profiler.py would shadow the
-# `profiler` package that Nestling imports; the benchmarks import nothing from their own folder.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import torch
 import torch.nn.functional as F
 
-from edge.procedures import ClientData
+from nestling.edge.procedures import ClientData
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
@@ -59,7 +56,7 @@ def client_samples(index: int, samples: int) -> tuple[torch.Tensor, torch.Tensor
 
 def synthetic_provider(samples: int) -> Any:
     """Nestling worker data factory: device id → that client's samples."""
-    from simulator.fleetdata import device_index
+    from nestling.simulator.fleetdata import device_index
 
     return lambda device: ClientData(*client_samples(device_index(device), samples))
 
@@ -126,14 +123,14 @@ def window(stamps: list[tuple[float, float]]) -> dict[str, float]:
 # -- engines (each runs in its own subprocess and prints one JSON line) --------------------------
 def run_nestling(a: argparse.Namespace, how: Settings) -> dict[str, float]:
     from nestling.schedule import LrSchedule
-    from server.clock import WallClock
-    from server.coordinator import Coordinator, RoundPolicy
-    from server.strategies import StrategyContext, create_strategy
-    from server.strategies.base import DeviceInfo
-    from simulator.backend import ProcessPoolBackend
-    from simulator.batched import BatchPolicy
-    from simulator.fleetdata import device_id
-    from simulator.inprocess import InProcessTransport
+    from nestling.server.clock import WallClock
+    from nestling.server.coordinator import Coordinator, RoundPolicy
+    from nestling.server.strategies import StrategyContext, create_strategy
+    from nestling.server.strategies.base import DeviceInfo
+    from nestling.simulator.backend import ProcessPoolBackend
+    from nestling.simulator.batched import BatchPolicy
+    from nestling.simulator.fleetdata import device_id
+    from nestling.simulator.inprocess import InProcessTransport
 
     ctx = StrategyContext(
         arch="resnet20",

@@ -19,12 +19,12 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import torch
 
-from edge.agent_config import AgentConfig
-from edge.emulation import EmulationTarget, TaskPacer
-from edge.monitor import ResourceMonitor
-from edge.procedures import ClientData, DeviceStore
-from edge.store_state import load_store_file, save_store_file
-from edge.trainer import run_task
+from nestling.edge.agent_config import AgentConfig
+from nestling.edge.emulation import EmulationTarget, TaskPacer
+from nestling.edge.monitor import ResourceMonitor
+from nestling.edge.procedures import ClientData, DeviceStore
+from nestling.edge.store_state import load_store_file, save_store_file
+from nestling.edge.trainer import run_task
 from nestling.errors import NestlingError, WireError
 from nestling.fleet_export import EXPORT, ExportOrder, decode_export_order, encode_export_report
 from nestling.fleet_messages import (
@@ -350,7 +350,7 @@ class Agent:
     def _export_and_report(self, order: ExportOrder, session: str) -> None:
         """Build this board's deployable from the final weights (edge/board_export.py), then report it.
         Runs on the worker thread: heartbeats go on (state "exporting") while ONNX / TensorRT build."""
-        from edge.board_export import export_on_board  # onnx / onnxruntime load only on a board that exports
+        from nestling.edge.board_export import export_on_board  # onnx / onnxruntime load only on a board that exports
 
         self.state = "exporting"
         self._heartbeat()

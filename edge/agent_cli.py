@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from edge.agent import Agent
-from edge.agent_config import AgentConfig, DataSection, DeviceSection, load_agent_config
-from edge.emulation import EmulationTarget
-from edge.procedures import ClientData
-from edge.service import UNIT_NAME, write_unit
+from nestling.edge.agent import Agent
+from nestling.edge.agent_config import AgentConfig, DataSection, DeviceSection, load_agent_config
+from nestling.edge.emulation import EmulationTarget
+from nestling.edge.procedures import ClientData
+from nestling.edge.service import UNIT_NAME, write_unit
 from nestling.data import load_dataset, make_partition
 from nestling.errors import ConfigError, NestlingError
 
@@ -42,7 +42,7 @@ def resolve_emulation(device: DeviceSection) -> EmulationTarget | None:
     The one place edge reads the simulator's catalogue and trace format (lazily: an agent that does
     not emulate never imports them)."""
     if device.emulate is not None:
-        from simulator.catalogue import BOARDS
+        from nestling.simulator.catalogue import BOARDS
 
         board = BOARDS.get(device.emulate)
         if board is None:
@@ -50,7 +50,7 @@ def resolve_emulation(device: DeviceSection) -> EmulationTarget | None:
                               f"(known: {', '.join(BOARDS)})")
         return EmulationTarget.of_board(board)
     if device.emulate_trace is not None:
-        from simulator.traces import load_traces
+        from nestling.simulator.traces import load_traces
 
         traces = {trace.device_id: trace for trace in load_traces(device.emulate_trace)}
         trace = traces.get(str(device.emulate_device))

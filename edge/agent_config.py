@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge.export_settings import ExportSection
+from nestling.edge.export_settings import ExportSection
 from nestling.errors import ConfigError
 from nestling.fleet_config import BrokerSettings, read_table, read_toml
 from nestling.wire.topics import validate_id

@@ -15,7 +15,7 @@ def unit_text(config: Path, *, python: str = sys.executable, user: str | None = 
     """The unit file's text: restart on failure, one torch thread, start after the network is up."""
     config = Path(config).resolve()
     user = user or getpass.getuser()
-    command = " ".join(shlex.quote(part) for part in (python, "-m", "edge.agent_cli", "--config", str(config)))
+    command = " ".join(shlex.quote(part) for part in (python, "-m", "nestling.edge.agent_cli", "--config", str(config)))
     return "\n".join([
         "[Unit]",
         "Description=Nestling federated-learning agent",

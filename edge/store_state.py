@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from edge.procedures.registry import DeviceStore
+from nestling.edge.procedures.registry import DeviceStore
 from nestling.errors import NestlingError
 
 log = logging.getLogger("nestling.agent")

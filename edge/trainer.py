@@ -9,8 +9,8 @@ import psutil
 import torch
 from torch import nn
 
-from edge.execution import apply_memory_format, task_precision
-from edge.procedures import ClientData, DeviceStore, get_procedure
+from nestling.edge.execution import apply_memory_format, task_precision
+from nestling.edge.procedures import ClientData, DeviceStore, get_procedure
 from nestling.messages import Result, Task
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec

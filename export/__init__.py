@@ -9,17 +9,17 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "ExportData": "export.options",
-    "ExportOptions": "export.options",
-    "export_submodel": "export.pipeline",
-    "export_target": "export.pipeline",
-    "load_export_data": "export.options",
-    "build_standalone": "export.standalone",
-    "plan_outputs": "export.standalone",
-    "open_checkpoint": "export.source",
-    "export_main": "export.cli",
-    "infer_main": "export.infer",
-    "read_bundle": "export.bundle",
+    "ExportData": "nestling.export.options",
+    "ExportOptions": "nestling.export.options",
+    "export_submodel": "nestling.export.pipeline",
+    "export_target": "nestling.export.pipeline",
+    "load_export_data": "nestling.export.options",
+    "build_standalone": "nestling.export.standalone",
+    "plan_outputs": "nestling.export.standalone",
+    "open_checkpoint": "nestling.export.source",
+    "export_main": "nestling.export.cli",
+    "infer_main": "nestling.export.infer",
+    "read_bundle": "nestling.export.bundle",
 }
 
 __all__ = [

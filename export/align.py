@@ -17,8 +17,8 @@ import math
 import torch
 from torch import nn
 
-from export.fold import ChannelAffine, conv_like
-from export.standalone import StandaloneNet
+from nestling.export.fold import ChannelAffine, conv_like
+from nestling.export.standalone import StandaloneNet
 from nestling.errors import SpecError
 
 

@@ -116,9 +116,9 @@ def export_main(argv: list[str]) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # Heavy imports only once the arguments are known to be well-formed.
-    from export.pipeline import ExportOptions, export_target, load_export_data
-    from export.source import load_spec_file, open_checkpoint, select_target
-    from export.tensorrt_build import TensorRTConfig, require_tensorrt
+    from nestling.export.pipeline import ExportOptions, export_target, load_export_data
+    from nestling.export.source import load_spec_file, open_checkpoint, select_target
+    from nestling.export.tensorrt_build import TensorRTConfig, require_tensorrt
     from nestling.errors import ConfigError
 
     if args.format == "tensorrt" and not args.list:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from export.bundle import read_bundle
+from nestling.export.bundle import read_bundle
 from nestling.errors import DataError, DependencyError, NestlingError
 
 

@@ -6,9 +6,9 @@ import datetime as _dt
 from typing import Any
 
 import nestling
-from export.onnx_export import INPUT_NAME, OnnxResult
-from export.options import ExportData, ExportOptions
-from export.standalone import OutputPlan
+from nestling.export.onnx_export import INPUT_NAME, OnnxResult
+from nestling.export.options import ExportData, ExportOptions
+from nestling.export.standalone import OutputPlan
 from nestling.eval_target import EvalTarget
 
 

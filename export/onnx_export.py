@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from export.standalone import StandaloneNet
+from nestling.export.standalone import StandaloneNet
 from nestling.errors import DependencyError, SpecError
 
 DEFAULT_OPSET = 17

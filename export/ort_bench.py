@@ -19,7 +19,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from export.parity import Runner
+from nestling.export.parity import Runner
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from export.align import align_channels, alignable
-from export.bundle import write_bundle
-from export.calibration import CalibrationBatches
-from export.manifest import bundle_manifest
-from export.onnx_export import INPUT_NAME, export_onnx
-from export.options import ExportData, ExportOptions, load_export_data
-from export.ort_bench import latency_table, ort_runner, ort_session
-from export.parity import Runner, accuracy, batched, compare
-from export.quantize import Int8Options, quantize_int8
-from export.reference import reference_model
-from export.source import open_checkpoint, select_target
-from export.standalone import OutputPlan, build_standalone, plan_outputs, reference_outputs
-from export.tensorrt_build import EngineRunner, build_engine, require_tensorrt
+from nestling.export.align import align_channels, alignable
+from nestling.export.bundle import write_bundle
+from nestling.export.calibration import CalibrationBatches
+from nestling.export.manifest import bundle_manifest
+from nestling.export.onnx_export import INPUT_NAME, export_onnx
+from nestling.export.options import ExportData, ExportOptions, load_export_data
+from nestling.export.ort_bench import latency_table, ort_runner, ort_session
+from nestling.export.parity import Runner, accuracy, batched, compare
+from nestling.export.quantize import Int8Options, quantize_int8
+from nestling.export.reference import reference_model
+from nestling.export.source import open_checkpoint, select_target
+from nestling.export.standalone import OutputPlan, build_standalone, plan_outputs, reference_outputs
+from nestling.export.tensorrt_build import EngineRunner, build_engine, require_tensorrt
 from nestling.data import DatasetBundle
 from nestling.errors import ConfigError, DataError, SpecError
 from nestling.models.net import ScalableNet

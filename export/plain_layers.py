@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.fold import plain_linear
+from nestling.export.fold import plain_linear
 from nestling.models.blocks import EncoderBlock
 from nestling.models.heads import TokenClassifier
 

@@ -17,8 +17,8 @@ from onnxruntime.quantization import (
     quantize_static,
 )
 
-from export.calibration import CalibrationBatches
-from export.onnx_export import INPUT_NAME, check_onnx
+from nestling.export.calibration import CalibrationBatches
+from nestling.export.onnx_export import INPUT_NAME, check_onnx
 
 CALIBRATION_METHODS = {
     "minmax": CalibrationMethod.MinMax,

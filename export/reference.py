@@ -14,7 +14,7 @@ import torch
 
 from nestling.errors import ConfigError
 from nestling.models.net import ScalableNet
-from server.evaluation import Evaluator
+from nestling.server.evaluation import Evaluator
 from nestling.eval_target import EvalTarget
 
 

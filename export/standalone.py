@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from export.fold import ChannelAffine, bn_affine, fold_conv, plain_linear, scale_affine, scaler_factor
-from export.plain_layers import (
+from nestling.export.fold import ChannelAffine, bn_affine, fold_conv, plain_linear, scale_affine, scaler_factor
+from nestling.export.plain_layers import (
     Encoder,
     GatedPoolLinear,
     PatchEmbed,

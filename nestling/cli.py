@@ -14,15 +14,15 @@ from nestling.errors import NestlingError
 
 # subcommand → (module, function taking argv); modules are imported only when their command runs.
 EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
-    "broker": ("server.broker", "broker_main", "run the embedded MQTT broker"),
-    "broker-config": ("server.broker_config", "broker_config_main", "write mosquitto config, ACLs, passwords, certs"),
-    "server": ("server.fleet", "server_main", "coordinate a fleet over MQTT"),
-    "agent": ("edge.agent_cli", "agent_main", "run the board agent (or: agent install-service)"),
-    "profile": ("profiler.cli", "profile_main", "measure per-block latency and memory on this machine"),
-    "plan": ("server.plan_cli", "plan_main", "turn device budgets into submodels / depth decompositions"),
-    "export": ("export.cli", "export_main", "export a trained submodel as an ONNX / TensorRT bundle"),
-    "infer": ("export.infer", "infer_main", "run an exported bundle with onnxruntime + numpy only"),
-    "traces": ("simulator.traces_cli", "traces_main", "generate or import device traces"),
+    "broker": ("nestling.server.broker", "broker_main", "run the embedded MQTT broker"),
+    "broker-config": ("nestling.server.broker_config", "broker_config_main", "write mosquitto config, ACLs, passwords, certs"),
+    "server": ("nestling.server.fleet", "server_main", "coordinate a fleet over MQTT"),
+    "agent": ("nestling.edge.agent_cli", "agent_main", "run the board agent (or: agent install-service)"),
+    "profile": ("nestling.profiler.cli", "profile_main", "measure per-block latency and memory on this machine"),
+    "plan": ("nestling.server.plan_cli", "plan_main", "turn device budgets into submodels / depth decompositions"),
+    "export": ("nestling.export.cli", "export_main", "export a trained submodel as an ONNX / TensorRT bundle"),
+    "infer": ("nestling.export.infer", "infer_main", "run an exported bundle with onnxruntime + numpy only"),
+    "traces": ("nestling.simulator.traces_cli", "traces_main", "generate or import device traces"),
 }
 
 SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
@@ -94,7 +94,7 @@ def simulate_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def simulate_main(argv: list[str]) -> int:
     from nestling.config import load_config
     from nestling.progress import RoundProgress, print_submodel_table
-    from simulator.run import run_simulation
+    from nestling.simulator.run import run_simulation
 
     args = simulate_parser().parse_args(argv)
     out = args.resume or args.out
@@ -117,7 +117,7 @@ def simulate_main(argv: list[str]) -> int:
 
 def demo_main(argv: list[str]) -> int:
     """The main job on the embedded default: embedded broker, a server and four agents of unequal budgets."""
-    return _run_external("server.fleet_demo", "demo_main", argv)
+    return _run_external("nestling.server.fleet_demo", "demo_main", argv)
 
 
 def _run_external(module: str, function: str, argv: list[str]) -> int:

@@ -17,8 +17,8 @@ from nestling.errors import NestlingError
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import known_models
 from nestling.spec import SubmodelSpec
-from profiler.device import device_info
-from profiler.measure import profile_model
+from nestling.profiler.device import device_info
+from nestling.profiler.measure import profile_model
 
 MIB = 2 ** 20
 
@@ -107,5 +107,5 @@ def profile_main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # pragma: no cover - `python -m profiler.cli ...`
+if __name__ == "__main__":  # pragma: no cover - `python -m nestling.profiler.cli ...`
     sys.exit(profile_main(sys.argv[1:]))

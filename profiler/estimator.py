@@ -15,7 +15,7 @@ from typing import Any
 
 from nestling.errors import ConfigError
 from nestling.spec import SubmodelSpec
-from profiler.walk import Walk
+from nestling.profiler.walk import Walk
 
 FLOAT = 4
 

@@ -16,7 +16,7 @@ from nestling.errors import ConfigError
 from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
-from profiler.memory import (
+from nestling.profiler.memory import (
     SavedTensorMeter,
     gradient_bytes,
     model_tensors,

@@ -12,8 +12,8 @@ from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.spec import SubmodelSpec
-from profiler.decompose import DEFAULT_TOLERANCE, DepthCosts, StagePlan
-from profiler.estimator import ModelCost, estimate
+from nestling.profiler.decompose import DEFAULT_TOLERANCE, DepthCosts, StagePlan
+from nestling.profiler.estimator import ModelCost, estimate
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from nestling.models.layers import kept_channels
 from nestling.models.net import BlockInfo
 from nestling.models.zoo import CONV_FAMILIES, VIT_DEFAULTS, conv_block_infos, vit_block_infos
 from nestling.spec import SubmodelSpec
-from profiler.walk_parts import conv_block, conv_exit, encoder_block, pool_head, token_head
+from nestling.profiler.walk_parts import conv_block, conv_exit, encoder_block, pool_head, token_head
 
 FLOAT, INDEX = 4, 8
 

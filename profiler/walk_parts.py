@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from nestling.models.net import BlockInfo
 
 if TYPE_CHECKING:
-    from profiler.walk import Sym, Walk
+    from nestling.profiler.walk import Sym, Walk
 
 
 def conv_block(w: Walk, x: Sym, info: BlockInfo, *, skipped: bool, preact: bool, hidden: float | None) -> Sym:

@@ -7,17 +7,17 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip"
 # Torch first, pinned to the CPU wheel, so nothing below can pull a multi-GB CUDA build on a CPU board.
-# Editable installs use a .pth path entry (compat mode) so `profiler`, `server`, ... resolve to this repo
-# ahead of folders other packages append to sys.path. On a Jetson, install JetPack's torch into the venv beforehand; it is kept (any torch 2.1-2.14 is accepted).
+# Everything installs under the `nestling` namespace (an editable install maps nestling.server to ./server
+# and so on). On a Jetson, install JetPack's torch into the venv beforehand; it is kept (any torch 2.1-2.14 is accepted).
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install --quiet "torch==2.13.0"
 fi
 if [ "${1:-}" = "--dev" ]; then
-  $PIP install --quiet -e ".[dev]" --config-settings editable_mode=compat
+  $PIP install --quiet -e ".[dev]"
   if ! command -v mosquitto >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get install -y -qq mosquitto >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq mosquitto)) \
       || echo "note: could not install mosquitto; its integration tests will be skipped" >&2
   fi
 else
-  $PIP install --quiet -e . --config-settings editable_mode=compat
+  $PIP install --quiet -e .
 fi

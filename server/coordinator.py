@@ -21,11 +21,11 @@ import torch
 
 from nestling.errors import NestlingError
 from nestling.messages import Result, Task
-from server.checkpoint import latest_checkpoint, load_checkpoint, load_checkpoint_side, save_checkpoint
-from server.clock import Clock
-from server.evaluation import EvalResult, Evaluator
-from server.strategies.base import DeviceInfo, Strategy
-from server.transport import Transport
+from nestling.server.checkpoint import latest_checkpoint, load_checkpoint, load_checkpoint_side, save_checkpoint
+from nestling.server.clock import Clock
+from nestling.server.evaluation import EvalResult, Evaluator
+from nestling.server.strategies.base import DeviceInfo, Strategy
+from nestling.server.transport import Transport
 
 log = logging.getLogger("nestling.coordinator")
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from nestling.fleet_export import ExportOrder, ExportReport
 from nestling.slicing import extract
-from server.registry import DeviceRecord
-from server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.registry import DeviceRecord
+from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 
 NO_REPORT, NOT_REQUESTED, OFFLINE = "no report", "not requested", "offline"
 

@@ -12,7 +12,7 @@ from nestling.models.layers import Scaler, SlimBatchNorm2d, set_active_width
 from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
-from server.strategies.base import EvalTarget
+from nestling.server.strategies.base import EvalTarget
 
 
 @dataclass

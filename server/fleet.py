@@ -16,17 +16,17 @@ from nestling.data import load_dataset
 from nestling.errors import NestlingError
 from nestling.schedule import LrSchedule
 from nestling.wire.topics import OFFLINE, FleetTopics
-from server.checkpoint import latest_checkpoint
-from server.clock import WallClock
-from server.coordinator import Coordinator, RoundPolicy, RoundRecord
-from server.deployables import deployable_rows, deployables_table, export_orders, wants_export
-from server.evaluation import Evaluator
-from server.fleet_config import FleetConfig, load_fleet_config
-from server.run_report import plot_accuracy, read_metrics, summarise, write_summary
-from server.mqtt_transport import MqttTransport, TransportSettings
-from server.registry import DeviceRegistry, emulated_class
-from server.strategies import StrategyContext, create_strategy
-from server.strategies.base import Strategy
+from nestling.server.checkpoint import latest_checkpoint
+from nestling.server.clock import WallClock
+from nestling.server.coordinator import Coordinator, RoundPolicy, RoundRecord
+from nestling.server.deployables import deployable_rows, deployables_table, export_orders, wants_export
+from nestling.server.evaluation import Evaluator
+from nestling.server.fleet_config import FleetConfig, load_fleet_config
+from nestling.server.run_report import plot_accuracy, read_metrics, summarise, write_summary
+from nestling.server.mqtt_transport import MqttTransport, TransportSettings
+from nestling.server.registry import DeviceRegistry, emulated_class
+from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.server.strategies.base import Strategy
 
 log = logging.getLogger("nestling.fleet")
 

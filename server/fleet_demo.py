@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from nestling.errors import NestlingError
-from server.broker import EmbeddedBroker
-from server.fleet import run_fleet
-from server.fleet_config import load_fleet_config
+from nestling.server.broker import EmbeddedBroker
+from nestling.server.fleet import run_fleet
+from nestling.server.fleet_config import load_fleet_config
 
 FLEET = "demo"
 BUDGETS_MB = (9, 12, 16, 24)  # ResNet-20 on 16x16 digits, batch 32: the planner puts k1..k5 at 8.5/10.3/15.9/17.2/17.7 MB
@@ -81,7 +81,7 @@ def start_agents(url: str, work: Path) -> list[subprocess.Popen]:
         config = work / f"agent-{index}.toml"
         config.write_text(agent_toml(url, index, budget))
         with (work / f"agent-{index}.log").open("wb") as log:
-            agents.append(subprocess.Popen([sys.executable, "-m", "edge.agent_cli", "--config", str(config)],
+            agents.append(subprocess.Popen([sys.executable, "-m", "nestling.edge.agent_cli", "--config", str(config)],
                                            env=env, stdout=log, stderr=subprocess.STDOUT))
     return agents
 

@@ -48,12 +48,12 @@ from nestling.wire.codec import (
 )
 from nestling.wire.topics import HELLO, OFFLINE, QOS, STATUS, FleetTopics, parse_topic
 from nestling.wire.topics import RESULT as RESULT_CHANNEL
-from server.clock import Clock
-from server.deployables import ExportLedger
-from server.fleet_admission import Dispatched, RecentKeys, check_result, unsolicited_reason, wire_reason
-from server.registry import DeviceRegistry
-from server.strategies.base import DeviceInfo
-from server.transport import Delivery
+from nestling.server.clock import Clock
+from nestling.server.deployables import ExportLedger
+from nestling.server.fleet_admission import Dispatched, RecentKeys, check_result, unsolicited_reason, wire_reason
+from nestling.server.registry import DeviceRegistry
+from nestling.server.strategies.base import DeviceInfo
+from nestling.server.transport import Delivery
 
 log = logging.getLogger("nestling.mqtt")
 

@@ -14,12 +14,12 @@ from rich.table import Table
 
 from nestling.errors import NestlingError
 from nestling.models.zoo import known_models
-from profiler.cli import MIB, _console, _write_json
-from profiler.planner import DeviceBudget, PlanRow, plan_to_json
+from nestling.profiler.cli import MIB, _console, _write_json
+from nestling.profiler.planner import DeviceBudget, PlanRow, plan_to_json
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    from server.plan_methods import PLANNABLE
+    from nestling.server.plan_methods import PLANNABLE
 
     p = argparse.ArgumentParser(prog="nestling plan", description="Turn device budgets into submodels or stages.")
     p.add_argument("profiles", nargs="*", type=Path, help="device profiles written by `nestling profile`")
@@ -84,7 +84,7 @@ def _plan_table(method: str, rows: list[PlanRow]) -> Table:
 
 def plan_main(argv: list[str]) -> int:
     """`nestling plan PROFILE... [--budget-mb ...] --method M --model M --out plan.json`."""
-    from server.plan_methods import plan_rows
+    from nestling.server.plan_methods import plan_rows
 
     args = _plan_parser().parse_args(argv)
     console = _console()

@@ -11,8 +11,8 @@ from typing import Any
 
 from nestling.errors import ConfigError
 from nestling.spec import SubmodelSpec
-from profiler.estimator import estimate
-from profiler.planner import (
+from nestling.profiler.estimator import estimate
+from nestling.profiler.planner import (
     DeviceBudget,
     PlanRow,
     assign_levels,
@@ -30,7 +30,7 @@ PLANNABLE = (*FAMILY_METHODS, "scalefl", *DEPTH_METHODS)
 
 def _strategy(method: str, arch: str, shape: tuple[int, int, int], classes: int, clients: int, batch: int,
               options: dict[str, Any]) -> Any:
-    from server.strategies import StrategyContext, create_strategy  # noqa: PLC0415
+    from nestling.server.strategies import StrategyContext, create_strategy  # noqa: PLC0415
 
     ctx = StrategyContext(arch=arch, num_classes=classes, in_channels=shape[0], image_size=shape[1],
                           num_clients=max(1, clients), total_rounds=1,
@@ -50,7 +50,7 @@ def family_of(strategy: Any) -> tuple[list[str], list[SubmodelSpec]]:
 def _scalefl_plan(arch: str, shape: tuple[int, int, int], classes: int, devices: Sequence[DeviceBudget],
                   batch: int, levels: int, tolerance: float) -> tuple[list[PlanRow], dict[str, Any]]:
     """k-means of the budgets into levels (§6.a.1), a memory-cost split per level, largest fitting level each."""
-    from server.strategies import StrategyContext
+    from nestling.server.strategies import StrategyContext
 
     ctx = StrategyContext(arch=arch, num_classes=classes, in_channels=shape[0], image_size=shape[1],
                           num_clients=1, total_rounds=1)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import WireError
-from server.strategies.base import DeviceInfo
+from nestling.server.strategies.base import DeviceInfo
 
 log = logging.getLogger("nestling.registry")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nestling.messages import Result, Task
-from server.strategies.base import DeviceInfo
+from nestling.server.strategies.base import DeviceInfo
 
 
 @dataclass

@@ -11,12 +11,12 @@ from typing import Any, Protocol
 
 import torch
 
-from edge.emulation import samples_trained
-from edge.procedures import ClientData, DeviceStore
-from edge.store_state import stores_from_tensors, stores_to_tensors
+from nestling.edge.emulation import samples_trained
+from nestling.edge.procedures import ClientData, DeviceStore
+from nestling.edge.store_state import stores_from_tensors, stores_to_tensors
 from nestling.messages import Result, Task
-from simulator.batched import BatchPolicy, batch_key, run_tasks
-from simulator.packing import PackedState, pack_state
+from nestling.simulator.batched import BatchPolicy, batch_key, run_tasks
+from nestling.simulator.packing import PackedState, pack_state
 
 DataProvider = Callable[[str], ClientData]
 Job = list[tuple[Task, DeviceStore]]

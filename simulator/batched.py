@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
-from edge.execution import apply_memory_format, task_precision
-from edge.procedures import ClientData, DeviceStore
-from edge.procedures.common import batches, make_optimizer
-from edge.trainer import run_task, task_generator
+from nestling.edge.execution import apply_memory_format, task_precision
+from nestling.edge.procedures import ClientData, DeviceStore
+from nestling.edge.procedures.common import batches, make_optimizer
+from nestling.edge.trainer import run_task, task_generator
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
-from simulator.grouped import GroupedClients, groupable, per_client_clip, per_client_cross_entropy
+from nestling.simulator.grouped import GroupedClients, groupable, per_client_clip, per_client_cross_entropy
 
 BATCHABLE_PROCEDURES = ("sgd",)
 _HP_PER_CLIENT = ("seed", "label_set")

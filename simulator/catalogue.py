@@ -1,6 +1,6 @@
 """Board classes a simulated fleet is drawn from: published figures, each with its source.
 
-Every figure comes from /work/shared/DEVICES.md (tags V = verified, D = derived, R = vendor
+Every figure comes from shared/DEVICES.md (tags V = verified, D = derived, R = vendor
 documentation, not re-checked) or from the network sources cited below. Sustained training
 speed = FP32 peak x a utilisation factor; the factors are assumptions (DEVICES.md §2), so
 ratios between classes are more trustworthy than absolute seconds.
@@ -128,7 +128,7 @@ def _board(
     )
 
 
-_DEVICES_MD = "/work/shared/DEVICES.md"
+_DEVICES_MD = "shared/DEVICES.md"
 _BOARDS = (
     _board(
         "rpi4",

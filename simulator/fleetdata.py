@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.procedures import ClientData
+from nestling.edge.procedures import ClientData
 from nestling.data import DatasetBundle, load_dataset, make_partition
 
 

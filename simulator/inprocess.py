@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nestling.messages import Task
-from server.clock import VirtualClock
-from server.strategies.base import DeviceInfo
-from server.transport import Delivery
-from simulator.backend import Backend
-from simulator.durations import Arrival
+from nestling.server.clock import VirtualClock
+from nestling.server.strategies.base import DeviceInfo
+from nestling.server.transport import Delivery
+from nestling.simulator.backend import Backend
+from nestling.simulator.durations import Arrival
 
 
 class SimulatedFleet(Protocol):

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from edge.procedures import DeviceStore
+from nestling.edge.procedures import DeviceStore
 from nestling.errors import DependencyError
 from nestling.messages import Result, Task
-from simulator.backend import DataProvider, WorkerState, collect, split_jobs
-from simulator.batched import BatchPolicy
+from nestling.simulator.backend import DataProvider, WorkerState, collect, split_jobs
+from nestling.simulator.batched import BatchPolicy
 
 RAY_HINT = "--backend ray needs ray: pip install nestling[ray]"
 

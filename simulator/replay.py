@@ -15,16 +15,16 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from edge.procedures import ClientData
+from nestling.edge.procedures import ClientData
 from nestling.messages import Task
-from server.clock import VirtualClock
-from server.coordinator import RoundRecord
-from server.strategies.base import DeviceInfo
-from simulator.backend import Backend
-from simulator.durations import Arrival, TraceDurations
-from simulator.fleetdata import client_provider, device_id, device_index
-from simulator.inprocess import InProcessTransport
-from simulator.traces import DeviceTrace
+from nestling.server.clock import VirtualClock
+from nestling.server.coordinator import RoundRecord
+from nestling.server.strategies.base import DeviceInfo
+from nestling.simulator.backend import Backend
+from nestling.simulator.durations import Arrival, TraceDurations
+from nestling.simulator.fleetdata import client_provider, device_id, device_index
+from nestling.simulator.inprocess import InProcessTransport
+from nestling.simulator.traces import DeviceTrace
 
 TIMELINE = "timeline.jsonl"
 

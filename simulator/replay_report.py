@@ -16,8 +16,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from server.run_report import read_metrics
-from simulator.replay import read_timeline
+from nestling.server.run_report import read_metrics
+from nestling.simulator.replay import read_timeline
 
 OUTCOME_COLOURS = {"used": "#2a9d8f", "dropped": "#e76f51", "cancelled": "#b8b8b8"}
 PHASE_COLOURS = {"download": "#8ab6d6", "train": "#2a9d8f", "upload": "#f4a261"}

@@ -12,19 +12,19 @@ import torch
 
 from nestling.config import SimConfig
 from nestling.schedule import LrSchedule
-from server.clock import WallClock
-from server.coordinator import Coordinator, RoundPolicy, RoundRecord
-from server.evaluation import Evaluator
-from server.run_report import plot_accuracy, read_metrics, summarise, write_summary
-from server.strategies import StrategyContext, create_strategy
-from server.strategies.base import DeviceInfo
-from simulator.backend import Backend, DataProvider, DeviceStoreSide, InProcessBackend, ProcessPoolBackend
-from simulator.batched import BatchPolicy
-from simulator.fleetdata import FleetData, device_id, device_index, load_fleet_data
-from simulator.inprocess import InProcessTransport
-from simulator.replay import Replay, cycled_provider, fleet_size
-from simulator.replay_report import write_replay_report
-from simulator.traces import load_traces
+from nestling.server.clock import WallClock
+from nestling.server.coordinator import Coordinator, RoundPolicy, RoundRecord
+from nestling.server.evaluation import Evaluator
+from nestling.server.run_report import plot_accuracy, read_metrics, summarise, write_summary
+from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.server.strategies.base import DeviceInfo
+from nestling.simulator.backend import Backend, DataProvider, DeviceStoreSide, InProcessBackend, ProcessPoolBackend
+from nestling.simulator.batched import BatchPolicy
+from nestling.simulator.fleetdata import FleetData, device_id, device_index, load_fleet_data
+from nestling.simulator.inprocess import InProcessTransport
+from nestling.simulator.replay import Replay, cycled_provider, fleet_size
+from nestling.simulator.replay_report import write_replay_report
+from nestling.simulator.traces import load_traces
 
 
 def partition_options(cfg: SimConfig) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def build_backend(cfg: SimConfig, data_for: DataProvider, factory: Callable[...,
     if kind == "inprocess":
         return InProcessBackend(data_for, cfg.run.device, policy)
     if kind == "ray":
-        from simulator.ray_backend import RayBackend
+        from nestling.simulator.ray_backend import RayBackend
 
         return RayBackend(factory, factory_args, workers, policy, sizes)
     return ProcessPoolBackend(factory, factory_args, workers, policy, sizes)

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 @pytest.fixture
 def make_ctx() -> Callable[..., Any]:
     """StrategyContext factory: a tiny 8×8, 4-class setting unless overridden."""
-    from server.strategies import StrategyContext
+    from nestling.server.strategies import StrategyContext
 
     def factory(**overrides: Any) -> StrategyContext:
         values: dict[str, Any] = {"arch": "tinycnn", "num_classes": 4, "in_channels": 3, "image_size": 8,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge.procedures.registry import ClientData
+from nestling.edge.procedures.registry import ClientData
 from nestling.data.augment import augment_batch
 
 

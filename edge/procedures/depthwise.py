@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge.procedures.common import batches, cross_entropy, make_optimizer, step
-from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, step
+from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.errors import ConfigError
 from nestling.models.layers import SlimBatchNorm2d, SlimLayerNorm, SlimLinear
 from nestling.models.net import ScalableNet
-from profiler.decompose import StagePlan
-from profiler.memory import SavedTensorMeter, gradient_bytes, model_tensors, optimizer_bytes, tensor_bytes
+from nestling.profiler.decompose import StagePlan
+from nestling.profiler.memory import SavedTensorMeter, gradient_bytes, model_tensors, optimizer_bytes, tensor_bytes
 
 log = logging.getLogger("nestling.procedures")
 

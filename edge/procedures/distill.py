@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from edge.procedures.common import batches, make_optimizer, outputs_list, step
-from edge.procedures.feddyn import FedDynTerm
-from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.edge.procedures.common import batches, make_optimizer, outputs_list, step
+from nestling.edge.procedures.feddyn import FedDynTerm
+from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.net import ScalableNet
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edge.procedures.registry import DeviceStore
+from nestling.edge.procedures.registry import DeviceStore
 
 STORE_KEY = "feddyn_h"
 

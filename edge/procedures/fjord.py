@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list, step
-from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list, step
+from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.layers import set_active_width
 from nestling.models.net import ScalableNet
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list, step
-from edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list, step
+from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.net import ScalableNet
 
 

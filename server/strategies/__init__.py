@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from nestling.errors import ConfigError
-from server.strategies.base import DeviceInfo, EvalTarget, Strategy, StrategyContext
-from server.strategies.depthfl import DepthFL
-from server.strategies.fedavg import FedAvg
-from server.strategies.fedepth import FeDepth, MFeDepth
-from server.strategies.fjord import FjORD
-from server.strategies.heterofl import HeteroFL
-from server.strategies.nefl import NeFLD, NeFLW, NeFLWD
-from server.strategies.scalefl import ScaleFL
+from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy, StrategyContext
+from nestling.server.strategies.depthfl import DepthFL
+from nestling.server.strategies.fedavg import FedAvg
+from nestling.server.strategies.fedepth import FeDepth, MFeDepth
+from nestling.server.strategies.fjord import FjORD
+from nestling.server.strategies.heterofl import HeteroFL
+from nestling.server.strategies.nefl import NeFLD, NeFLW, NeFLWD
+from nestling.server.strategies.scalefl import ScaleFL
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (FedAvg, HeteroFL, FjORD, DepthFL, ScaleFL, NeFLW, NeFLD, NeFLWD)

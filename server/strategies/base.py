@@ -19,7 +19,7 @@ from nestling.models.zoo import build
 from nestling.schedule import LrSchedule
 from nestling.slicing import check_result_tensors, extract, slices_for
 from nestling.spec import SubmodelSpec
-from profiler.planner import device_memory_budget, member_for_budget
+from nestling.profiler.planner import device_memory_budget, member_for_budget
 
 
 @dataclass

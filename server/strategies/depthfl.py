@@ -11,7 +11,7 @@ from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.spec import SubmodelSpec
-from server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 
 
 def stage_ends(arch: str, image_size: int, extra: dict | None = None) -> list[int]:

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 from nestling.messages import Result
 from nestling.spec import SubmodelSpec
-from server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 
 
 class FedAvg(Strategy):

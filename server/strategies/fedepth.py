@@ -10,10 +10,10 @@ from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.spec import SubmodelSpec
-from profiler.decompose import DepthCosts, StagePlan, depth_costs, depth_costs_from_profile, width_budget
-from profiler.estimator import estimate
-from profiler.planner import device_memory_budget
-from server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.profiler.decompose import DepthCosts, StagePlan, depth_costs, depth_costs_from_profile, width_budget
+from nestling.profiler.estimator import estimate
+from nestling.profiler.planner import device_memory_budget
+from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 
 # METHODS §3.a.1 (FeDepth paper §Experiments): width ratios r, a quarter of the clients each (tier = ⌊4i/N⌋).
 # A budget is R(r), the training memory of the ×r-width model; r = 2 means room for two full models.
@@ -93,7 +93,7 @@ class FeDepth(Strategy):
     def _cost_table(self) -> DepthCosts:
         aux = self.options["variant"] == "aux"
         if self.options["memory"] == "measure":
-            from profiler.measure import profile_model
+            from nestling.profiler.measure import profile_model
 
             profile = profile_model(self.full_spec, self.batch, repeats=1, warmup=1,
                                     momentum=0.9 if self.momentum else 0.0, rss_check=False)
@@ -102,7 +102,7 @@ class FeDepth(Strategy):
 
     def _width_bytes(self, ratio: float) -> int:
         if self.options["memory"] == "measure" and ratio <= 1.0:
-            from profiler.measure import profile_model
+            from nestling.profiler.measure import profile_model
 
             plain = SubmodelSpec(self.model.with_(exit_points=()), width=ratio)
             profile = profile_model(plain, self.batch, repeats=1, warmup=1, momentum=0.9 if self.momentum else 0.0,

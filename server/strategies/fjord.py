@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
 from nestling.spec import SubmodelSpec, width_from_param_fraction
-from server.strategies.nefl_presets import PARAM_FRACTIONS
-from server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.nefl_presets import PARAM_FRACTIONS
+from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 
 
 class FjORD(Strategy):

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from benchmarks import fidelity
-from edge.emulation import TaskPacing
+from nestling.edge.emulation import TaskPacing
 
 
 def record(round_index: int, start: float, end: float) -> dict:

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-import edge.trainer
-from edge.agent import Agent
-from edge.agent_config import agent_config_from_dict
-from edge.procedures import ClientData
+import nestling.edge.trainer
+from nestling.edge.agent import Agent
+from nestling.edge.agent_config import agent_config_from_dict
+from nestling.edge.procedures import ClientData
 from nestling.errors import ConfigError
 from nestling.fleet_messages import (
     ServerStatus,
@@ -27,9 +27,9 @@ from nestling.wire.chunking import decode_chunk_request, encode_chunk_request, s
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, CHUNK_REQUEST_KIND, decode_message, read_header
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics, parse_topic
-from server.broker import EmbeddedBroker
-from server.strategies import StrategyContext, create_strategy
-from server.strategies.base import DeviceInfo
+from nestling.server.broker import EmbeddedBroker
+from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.server.strategies.base import DeviceInfo
 
 FLEET = "edge"
 DEVICE = "board-7"
@@ -133,8 +133,8 @@ def test_the_agent_says_hello_with_its_profile(agent, server):
 def test_a_chunked_task_with_a_lost_chunk_is_trained_as_the_small_slice_only(agent, server, small_task, monkeypatch):
     task, strategy = small_task
     built: list[SubmodelSpec] = []
-    real_build = edge.trainer.build
-    monkeypatch.setattr(edge.trainer, "build", lambda spec, **kw: built.append(spec) or real_build(spec, **kw))
+    real_build = nestling.edge.trainer.build
+    monkeypatch.setattr(nestling.edge.trainer, "build", lambda spec, **kw: built.append(spec) or real_build(spec, **kw))
     server.next("hello")
     server.announce("s1")
     chunks = split_into_chunks("task-1", encode_task(task, "s1"), 1024)
@@ -167,7 +167,7 @@ def test_lost_result_chunks_are_resent_and_a_repeated_task_is_answered_without_t
     resent = [server.next("result") for _ in range(2)]
     assert [read_header(c)["index"] for c in resent] == [0, 1]
     calls: list[str] = []
-    monkeypatch.setattr("edge.agent.run_task", lambda *a, **k: calls.append("trained"))
+    monkeypatch.setattr("nestling.edge.agent.run_task", lambda *a, **k: calls.append("trained"))
     server.inbound = Inbound(64 * 1024 * 1024)
     server.publish(server.topics.task(DEVICE), encode_task(task, "s2"))  # the server lost our answer
     assert server.next_result().task_id == task.task_id and calls == []
@@ -209,7 +209,7 @@ def test_agent_config_errors_name_the_key():
 
 
 def test_the_device_store_survives_an_agent_restart_with_a_state_file(broker, server, tmp_path):
-    from edge.procedures.feddyn import STORE_KEY
+    from nestling.edge.procedures.feddyn import STORE_KEY
 
     config = agent_config_from_dict({
         "broker": {"url": broker.url, "fleet": FLEET},

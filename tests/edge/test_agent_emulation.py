@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.agent import Agent
-from edge.agent_cli import agent_main, apply_emulation_flags, resolve_emulation
-from edge.agent_config import DeviceSection, agent_config_from_dict, load_agent_config
-from edge.emulation import EmulationTarget, SpeedFigures
-from edge.procedures import ClientData
+from nestling.edge.agent import Agent
+from nestling.edge.agent_cli import agent_main, apply_emulation_flags, resolve_emulation
+from nestling.edge.agent_config import DeviceSection, agent_config_from_dict, load_agent_config
+from nestling.edge.emulation import EmulationTarget, SpeedFigures
+from nestling.edge.procedures import ClientData
 from nestling.errors import ConfigError
 from nestling.fleet_messages import (
     ServerStatus,
@@ -27,12 +27,12 @@ from nestling.wire.chunking import split_into_chunks
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, decode_message, read_header
 from nestling.wire.topics import QOS, FleetTopics, parse_topic
-from server.broker import EmbeddedBroker
-from server.strategies import StrategyContext, create_strategy
-from server.strategies.base import DeviceInfo
-from simulator.catalogue import BOARDS, get_board
-from simulator.durations import TraceDurations
-from simulator.traces import DeviceTrace, save_traces
+from nestling.server.broker import EmbeddedBroker
+from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.server.strategies.base import DeviceInfo
+from nestling.simulator.catalogue import BOARDS, get_board
+from nestling.simulator.durations import TraceDurations
+from nestling.simulator.traces import DeviceTrace, save_traces
 
 FLEET = "emul"
 DEVICE = "slow-1"

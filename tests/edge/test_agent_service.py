@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from edge.agent_cli import agent_main
-from edge.service import UNIT_NAME, unit_text
+from nestling.edge.agent_cli import agent_main
+from nestling.edge.service import UNIT_NAME, unit_text
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent.toml"
 
@@ -16,7 +16,7 @@ def test_the_unit_restarts_the_agent_after_the_network_is_up():
     lines = text.splitlines()
     assert "After=network-online.target" in lines and "Restart=on-failure" in lines
     assert "User=pi" in lines and "Environment=OMP_NUM_THREADS=1" in lines
-    assert f"ExecStart={sys.executable} -m edge.agent_cli --config {EXAMPLE}" in lines
+    assert f"ExecStart={sys.executable} -m nestling.edge.agent_cli --config {EXAMPLE}" in lines
     assert "WantedBy=multi-user.target" in lines
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from edge.emulation import EmulatedDevice, SpeedFigures, training_flops
+from nestling.edge.emulation import EmulatedDevice, SpeedFigures, training_flops
 from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.cost import count_macs
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
-from simulator.catalogue import get_board
-from simulator.traces import DeviceTrace
+from nestling.simulator.catalogue import get_board
+from nestling.simulator.traces import DeviceTrace
 
 
 class Sleeps(list):
@@ -73,8 +73,8 @@ def test_a_trace_device_is_emulated_with_its_own_figures() -> None:
 
 def test_a_trace_device_with_only_measured_latency_is_paced_as_the_replay_predicts() -> None:
     """FedScale-style devices carry seconds per sample, no GFLOP/s: a submodel costs its MAC share."""
-    from edge.emulation import EmulationTarget, TaskPacer
-    from simulator.durations import TraceDurations
+    from nestling.edge.emulation import EmulationTarget, TaskPacer
+    from nestling.simulator.durations import TraceDurations
 
     trace = DeviceTrace("fs-3", "fedscale", 2**30, up_bps=4e6, down_bps=8e6, latency_s=0.0,
                         block_latency_s={"tinycnn": 0.02})
@@ -108,9 +108,9 @@ def _task_on(spec: SubmodelSpec, hparams: dict) -> Task:
 
 
 def test_an_emulating_agent_paces_each_phase_to_what_the_replay_predicts() -> None:
-    from edge.emulation import EmulationTarget, TaskPacer, payload_bytes
+    from nestling.edge.emulation import EmulationTarget, TaskPacer, payload_bytes
     from nestling.messages import Result
-    from simulator.durations import TraceDurations
+    from nestling.simulator.durations import TraceDurations
 
     trace = DeviceTrace("pi-7", "rpi4", 2**30, up_bps=4e6, down_bps=8e6, latency_s=0.03, gflops=0.05)
     spec = SubmodelSpec(ModelConfig("tinycnn", num_classes=4, in_channels=3, image_size=8), width=0.5)
@@ -137,7 +137,7 @@ def test_an_emulating_agent_paces_each_phase_to_what_the_replay_predicts() -> No
 
 
 def test_a_host_slower_than_the_emulated_board_is_reported_per_task() -> None:
-    from edge.emulation import EmulationTarget, TaskPacer
+    from nestling.edge.emulation import EmulationTarget, TaskPacer
 
     spec = SubmodelSpec(ModelConfig("tinycnn", num_classes=4, in_channels=3, image_size=8))
     task = _task_on(spec, {"local_steps": 1, "batch_size": 4})
@@ -147,7 +147,7 @@ def test_a_host_slower_than_the_emulated_board_is_reported_per_task() -> None:
 
 
 def test_a_board_class_or_a_trace_device_is_described_for_the_hello() -> None:
-    from edge.emulation import EmulationTarget
+    from nestling.edge.emulation import EmulationTarget
 
     rpi4 = EmulationTarget.of_board(get_board("rpi4"))
     assert rpi4.describe() == {"class": "rpi4", "trace_device": None, "gflops": get_board("rpi4").sustained_gflops,

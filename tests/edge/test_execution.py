@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.execution import apply_memory_format, task_precision
+from nestling.edge.execution import apply_memory_format, task_precision
 from nestling.config import load_config
 from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
@@ -41,10 +41,10 @@ def test_a_forward_under_bf16_sees_the_weights_as_they_are_now_not_as_first_cast
 def test_bf16_local_training_follows_fp32_training() -> None:
     from dataclasses import replace
 
-    from edge.trainer import run_task
-    from edge.procedures import ClientData
-    from server.strategies import StrategyContext, create_strategy
-    from server.strategies.base import DeviceInfo
+    from nestling.edge.trainer import run_task
+    from nestling.edge.procedures import ClientData
+    from nestling.server.strategies import StrategyContext, create_strategy
+    from nestling.server.strategies.base import DeviceInfo
 
     ctx = StrategyContext(arch="tinycnn", num_classes=4, in_channels=1, image_size=8, num_clients=1, total_rounds=1,
                           local={"local_steps": 30, "batch_size": 16, "lr": 0.1})

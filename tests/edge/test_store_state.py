@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.procedures.registry import DeviceStore
-from edge.store_state import stores_from_tensors, stores_to_tensors
+from nestling.edge.procedures.registry import DeviceStore
+from nestling.edge.store_state import stores_from_tensors, stores_to_tensors
 from nestling.errors import NestlingError
 
 
@@ -42,7 +42,7 @@ def test_keys_that_are_not_store_paths_are_refused() -> None:
 
 
 def test_a_board_store_file_round_trips_and_survives_a_rewrite(tmp_path) -> None:
-    from edge.store_state import load_store_file, save_store_file
+    from nestling.edge.store_state import load_store_file, save_store_file
 
     path = tmp_path / "state" / "store.safetensors"
     assert load_store_file(path, "edge/board-1") == {}  # nothing saved yet
@@ -53,7 +53,7 @@ def test_a_board_store_file_round_trips_and_survives_a_rewrite(tmp_path) -> None
 
 
 def test_another_boards_or_a_torn_store_file_starts_empty_with_a_warning(tmp_path, caplog) -> None:
-    from edge.store_state import load_store_file, save_store_file
+    from nestling.edge.store_state import load_store_file, save_store_file
 
     path = tmp_path / "store.safetensors"
     save_store_file(path, DeviceStore({"salience": torch.ones(2)}), "edge/board-1")

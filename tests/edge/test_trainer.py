@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.procedures import ClientData
-from edge.trainer import run_task
+from nestling.edge.procedures import ClientData
+from nestling.edge.trainer import run_task
 from nestling.errors import ConfigError
 from nestling.messages import Task
 from nestling.models import ModelConfig, build

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import io
 from collections.abc import Callable
 from pathlib import Path
@@ -10,18 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from export.pipeline import ExportData
+from nestling.export.pipeline import ExportData
 from nestling.data import load_dataset
 from nestling.models.layers import SlimBatchNorm2d
 from nestling.models.zoo import build
-from server.checkpoint import save_checkpoint
-from server.strategies import Strategy, StrategyContext, create_strategy
+from nestling.server.checkpoint import save_checkpoint
+from nestling.server.strategies import Strategy, StrategyContext, create_strategy
 
 torch.set_num_threads(1)
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
-CIFAR_TEST = Path("/work/shared/data/cifar10/test.npz")
+CIFAR_TEST = Path(os.environ.get("NESTLING_DATA_ROOT", Path(__file__).resolve().parents[3] / "shared" / "data")) / "cifar10" / "test.npz"
 
 
 def _context(dataset: str = "cifar10") -> StrategyContext:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from export.align import align_channels, alignable, aligned
-from export.standalone import build_standalone, plan_outputs
+from nestling.export.align import align_channels, alignable, aligned
+from nestling.export.standalone import build_standalone, plan_outputs
 from nestling.errors import SpecError
 from nestling.models import ModelConfig, build
 from nestling.spec import SubmodelSpec

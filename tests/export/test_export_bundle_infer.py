@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from export.bundle import read_bundle
-from export.infer import BundleRunner, infer_main
-from export.pipeline import ExportData, ExportOptions, export_submodel
-from export.reference import reference_model
-from export.source import open_checkpoint, select_target
+from nestling.export.bundle import read_bundle
+from nestling.export.infer import BundleRunner, infer_main
+from nestling.export.pipeline import ExportData, ExportOptions, export_submodel
+from nestling.export.reference import reference_model
+from nestling.export.source import open_checkpoint, select_target
 from nestling.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from export.pipeline import ExportData, ExportOptions, export_submodel
-from export.reference import reference_model
-from export.source import open_checkpoint, select_target
+from nestling.export.pipeline import ExportData, ExportOptions, export_submodel
+from nestling.export.reference import reference_model
+from nestling.export.source import open_checkpoint, select_target
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ["onnxruntime", "numpy", "pillow"]
@@ -80,10 +80,16 @@ def test_infer_in_a_torchless_venv_matches_pytorch_top1_on_100_images(
         images.append(tmp_path / f"cifar{i:03d}.png")
         Image.fromarray(image).save(images[-1])
 
-    # Only the repository's source on the path: no installed nestling, no torch to fall back on.
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # Nestling installed as a board would (its wheel, no dependencies): no torch to fall back on.
+    wheels = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
+                    str(REPO)], check=True, capture_output=True, timeout=300)
+    subprocess.run([str(_python(venv)), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps",
+                    "--force-reinstall", *map(str, wheels.glob("nestling-*.whl"))], check=True, capture_output=True,
+                   timeout=300)
+    env = {"PATH": os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [str(_python(venv)), "-m", "export.infer", "--bundle", str(bundle), *map(str, images)],
+        [str(_python(venv)), "-m", "nestling.export.infer", "--bundle", str(bundle), *map(str, images)],
         check=False,
         capture_output=True,
         text=True,

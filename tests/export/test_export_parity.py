@@ -9,12 +9,12 @@ import numpy as np
 import onnx
 import pytest
 
-from export.bundle import read_bundle
-from export.onnx_export import INPUT_NAME
-from export.ort_bench import ort_runner, ort_session
-from export.pipeline import ExportData, ExportOptions, export_submodel
-from export.source import open_checkpoint
-from server.strategies import Strategy, StrategyContext, create_strategy
+from nestling.export.bundle import read_bundle
+from nestling.export.onnx_export import INPUT_NAME
+from nestling.export.ort_bench import ort_runner, ort_session
+from nestling.export.pipeline import ExportData, ExportOptions, export_submodel
+from nestling.export.source import open_checkpoint
+from nestling.server.strategies import Strategy, StrategyContext, create_strategy
 
 FAST = ExportOptions(benchmark=False, parity_samples=32)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from export.source import context_from_manifest, open_checkpoint, select_target
+from nestling.export.source import context_from_manifest, open_checkpoint, select_target
 from nestling.errors import ConfigError, SpecError
 from nestling.models import ModelConfig
 from nestling.spec import SubmodelSpec

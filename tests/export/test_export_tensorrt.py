@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from export import tensorrt_build
-from export.calibration import CalibrationBatches
-from export.cli import export_main
-from export.pipeline import ExportOptions, export_submodel
-from export.tensorrt_build import TENSORRT_HINT, TensorRTConfig, require_tensorrt, trtexec_command
+from nestling.export import tensorrt_build
+from nestling.export.calibration import CalibrationBatches
+from nestling.export.cli import export_main
+from nestling.export.pipeline import ExportOptions, export_submodel
+from nestling.export.tensorrt_build import TENSORRT_HINT, TensorRTConfig, require_tensorrt, trtexec_command
 from nestling.errors import ConfigError, DataError, DependencyError
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from nestling.config import SimConfig, config_from_dict, load_config
 from nestling.errors import ConfigError, DataError, SpecError
-from server.strategies import STRATEGIES, create_strategy
+from nestling.server.strategies import STRATEGIES, create_strategy
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -117,7 +117,7 @@ def test_schedule_kind_is_checked_when_the_run_is_built() -> None:
 
 
 def test_a_missing_data_directory_is_a_data_error_naming_it(tmp_path: Path) -> None:
-    from simulator.fleetdata import load_fleet_data
+    from nestling.simulator.fleetdata import load_fleet_data
 
     missing = tmp_path / "no-such-cifar"
     cfg = config_from_dict({"data": {"dataset": "cifar10", "root": str(missing)}})

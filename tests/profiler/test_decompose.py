@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from nestling.errors import ConfigError
 from nestling.models import ModelConfig
 from nestling.spec import SubmodelSpec
-from profiler.decompose import (
+from nestling.profiler.decompose import (
     PAPER_BLOCK_MB,
     PAPER_WIDTH_MB,
     StagePlan,
@@ -18,8 +18,8 @@ from profiler.decompose import (
     greedy_stages,
     width_budget,
 )
-from profiler.estimator import training_memory
-from profiler.measure import profile_model
+from nestling.profiler.estimator import training_memory
+from nestling.profiler.measure import profile_model
 
 
 def blocks(*numbers: int) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from profiler.device import device_info, is_jetson, jetson_state, measure_gflops, parse_tegrastats
+from nestling.profiler.device import device_info, is_jetson, jetson_state, measure_gflops, parse_tegrastats
 
 NANO_LINE = ("RAM 2448/3964MB (lfb 57x4MB) SWAP 0/1982MB (cached 0MB) CPU [8%@1479,3%@1479,off,off] EMC_FREQ 0% "
              "GR3D_FREQ 0% PLL@29.5C CPU@31.5C PMIC@50C GPU@30C AO@38.5C thermal@30.75C POM_5V_IN 1766/1766 "

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.procedures import ClientData
-from edge.procedures.depthwise import measure_stage_peaks
+from nestling.edge.procedures import ClientData
+from nestling.edge.procedures.depthwise import measure_stage_peaks
 from nestling.models import build
 from nestling.spec import SubmodelSpec
-from profiler.decompose import StagePlan
-from profiler.measure import profile_model
-from server.strategies import DeviceInfo, StrategyContext, create_strategy
+from nestling.profiler.decompose import StagePlan
+from nestling.profiler.measure import profile_model
+from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 
 BATCH = 32
 

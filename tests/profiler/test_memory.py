@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from profiler.memory import (
+from nestling.profiler.memory import (
     SavedTensorMeter,
     gradient_bytes,
     model_tensors,

@@ -6,9 +6,9 @@ import pytest
 
 from nestling.models import ModelConfig
 from nestling.spec import SubmodelSpec
-from profiler.decompose import full_model_costs, width_budget
-from profiler.estimator import estimate
-from profiler.planner import (
+from nestling.profiler.decompose import full_model_costs, width_budget
+from nestling.profiler.estimator import estimate
+from nestling.profiler.planner import (
     DeviceBudget,
     assign_levels,
     cluster_budget_fractions,
@@ -102,7 +102,7 @@ def test_fedepth_rows_carry_each_devices_stages_within_its_budget() -> None:
 
 @pytest.mark.parametrize("method", ["nefl-wd", "heterofl"])
 def test_strategies_assign_the_largest_submodel_a_registered_budget_holds(method: str) -> None:
-    from server.strategies import DeviceInfo, StrategyContext, create_strategy
+    from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 
     ctx = StrategyContext(arch="resnet20", num_classes=10, in_channels=3, image_size=32, num_clients=10,
                           total_rounds=5, local={"batch_size": 32})

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from profiler.cli import profile_main
-from server.plan_cli import plan_main
+from nestling.profiler.cli import profile_main
+from nestling.server.plan_cli import plan_main
 
 MIB = 2**20
 

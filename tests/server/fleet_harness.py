@@ -187,7 +187,7 @@ def start_agents(tmp: Path, url: str, fleet: str, count: int, budgets: list[floa
         login = str(credentials[f"dev-{i}"]) if credentials else ""
         config.write_text(agent_toml(url, fleet, f"dev-{i}", index=i, clients=count, budget_mb=budget,
                                      credentials=login))
-        agents.append(spawn("edge.agent_cli", ["--config", str(config)], tmp / f"agent-{i}.log"))
+        agents.append(spawn("nestling.edge.agent_cli", ["--config", str(config)], tmp / f"agent-{i}.log"))
     return agents
 
 

@@ -14,8 +14,8 @@ from cryptography import x509
 from nestling.errors import ConfigError
 from nestling.wire.client import TlsFiles, connect_and_wait, make_client, read_credentials
 from nestling.wire.topics import QOS, FleetTopics
-from server.broker import find_free_port, mosquitto_binary, start_mosquitto
-from server.broker_config import broker_config_main, mosquitto_password_hash, write_broker_config
+from nestling.server.broker import find_free_port, mosquitto_binary, start_mosquitto
+from nestling.server.broker_config import broker_config_main, mosquitto_password_hash, write_broker_config
 
 needs_mosquitto = pytest.mark.skipif(
     mosquitto_binary() is None, reason="mosquitto is not installed (apt-get install mosquitto)"

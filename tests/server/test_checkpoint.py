@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nestling.errors import ConfigError
-from server.checkpoint import latest_checkpoint, load_checkpoint, load_checkpoint_side, save_checkpoint
+from nestling.server.checkpoint import latest_checkpoint, load_checkpoint, load_checkpoint_side, save_checkpoint
 
 
 def tensors(value: float) -> dict[str, torch.Tensor]:
@@ -101,7 +101,7 @@ def test_loading_a_checkpoint_of_another_format_is_a_clear_error(tmp_path: Path)
 
 
 def test_strategy_state_refuses_a_checkpoint_of_another_model(make_ctx, tmp_path: Path) -> None:
-    from server.strategies import create_strategy
+    from nestling.server.strategies import create_strategy
 
     small = create_strategy("fedavg", make_ctx())
     path = save_checkpoint(tmp_path, 0, small.state_tensors(), {})

@@ -10,11 +10,11 @@ import torch
 
 from nestling.config import config_from_dict
 from nestling.messages import Result, Task
-from server.checkpoint import latest_checkpoint, load_checkpoint
-from server.clock import VirtualClock
-from server.coordinator import Coordinator, RoundPolicy
-from server.strategies import DeviceInfo, create_strategy
-from server.transport import Delivery
+from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
+from nestling.server.clock import VirtualClock
+from nestling.server.coordinator import Coordinator, RoundPolicy
+from nestling.server.strategies import DeviceInfo, create_strategy
+from nestling.server.transport import Delivery
 
 
 class ScriptedTransport:
@@ -157,7 +157,7 @@ class Interrupted(Exception):
 def test_resume_after_a_crash_gives_the_same_final_weights_as_an_uninterrupted_run(
     method: str, arch: str, options: dict, tmp_path: Path
 ) -> None:
-    from simulator.run import run_simulation
+    from nestling.simulator.run import run_simulation
 
     cfg = config_from_dict({
         "run": {"rounds": 3, "seed": 3, "workers": 1, "eval_every": 0},

@@ -9,7 +9,7 @@ import torch
 
 from nestling.errors import ConfigError
 from nestling.fleet_export import ExportReport
-from server.deployables import (
+from nestling.server.deployables import (
     ExportLedger,
     deployable_rows,
     deployable_target,
@@ -17,10 +17,10 @@ from server.deployables import (
     export_orders,
     wants_export,
 )
-from server.fleet_config import fleet_config_from_dict
-from server.registry import DeviceRecord
-from server.strategies import create_strategy
-from server.strategies.base import DeviceInfo
+from nestling.server.fleet_config import fleet_config_from_dict
+from nestling.server.registry import DeviceRecord
+from nestling.server.strategies import create_strategy
+from nestling.server.strategies.base import DeviceInfo
 
 ASKS = {"export": {"on_finish": True, "format": "onnx"}}
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from server.broker import EmbeddedBroker, find_free_port, mosquitto_binary, start_mosquitto
-from server.broker_config import write_broker_config
-from server.fleet import run_fleet
-from server.fleet_config import load_fleet_config
+from nestling.server.broker import EmbeddedBroker, find_free_port, mosquitto_binary, start_mosquitto
+from nestling.server.broker_config import write_broker_config
+from nestling.server.fleet import run_fleet
+from nestling.server.fleet_config import load_fleet_config
 from tests.server.fleet_harness import fleet_toml, metrics, start_agents, stop_all
 
 AGENTS = 5

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nestling.errors import ConfigError
-from server.fleet_config import fleet_config_from_dict, load_fleet_config
+from nestling.server.fleet_config import fleet_config_from_dict, load_fleet_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.toml"
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.fleet_demo import demo_main
+from nestling.server.fleet_demo import demo_main
 
 
 @pytest.mark.slow

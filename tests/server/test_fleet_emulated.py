@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from server.registry import DeviceRegistry, emulated_class
+from nestling.server.registry import DeviceRegistry, emulated_class
 
 
 def test_emulating_devices_are_logged_and_listed(caplog: pytest.LogCaptureFixture) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from export.infer import infer_main
+from nestling.export.infer import infer_main
 from nestling.data import load_dataset
 from nestling.fleet_export import ExportReport, decode_export_order, encode_export_report
 from nestling.fleet_transfers import Inbound
@@ -26,14 +26,14 @@ from nestling.wire.chunking import encode_chunk_request
 from nestling.wire.client import make_client
 from nestling.wire.codec import CHUNK_KIND, decode_message, encode_message, read_header
 from nestling.wire.topics import OFFLINE, FleetTopics
-from server.broker import EmbeddedBroker
-from server.clock import WallClock
-from server.deployables import export_orders
-from server.fleet import run_fleet
-from server.fleet_config import load_fleet_config
-from server.mqtt_transport import MqttTransport, TransportSettings
-from server.registry import DeviceRegistry
-from server.strategies import StrategyContext, create_strategy
+from nestling.server.broker import EmbeddedBroker
+from nestling.server.clock import WallClock
+from nestling.server.deployables import export_orders
+from nestling.server.fleet import run_fleet
+from nestling.server.fleet_config import load_fleet_config
+from nestling.server.mqtt_transport import MqttTransport, TransportSettings
+from nestling.server.registry import DeviceRegistry
+from nestling.server.strategies import StrategyContext, create_strategy
 from tests.server.fleet_harness import FakeDevice, agent_toml, fleet_toml, spawn, stop_all
 
 FLEET = "export-e2e"
@@ -59,7 +59,7 @@ def test_a_run_ends_with_the_exporting_board_holding_a_verified_bundle_listed_in
                     eval_samples = 200
                     """)
             (tmp_path / f"agent-{i}.toml").write_text(text)
-            agents.append(spawn("edge.agent_cli", ["--config", str(tmp_path / f"agent-{i}.toml")],
+            agents.append(spawn("nestling.edge.agent_cli", ["--config", str(tmp_path / f"agent-{i}.toml")],
                                 tmp_path / f"agent-{i}.log"))
         try:
             summary = run_fleet(load_fleet_config(config))

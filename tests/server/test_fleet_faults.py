@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server.broker import EmbeddedBroker, find_free_port
-from server.fleet import run_fleet
-from server.fleet_config import load_fleet_config
+from nestling.server.broker import EmbeddedBroker, find_free_port
+from nestling.server.fleet import run_fleet
+from nestling.server.fleet_config import load_fleet_config
 from tests.server.fleet_harness import (
     FleetWatch,
     fleet_toml,
@@ -51,14 +51,14 @@ def test_a_server_killed_mid_round_resumes_and_agents_come_back_by_themselves(tm
         config = tmp_path / "fleet.toml"
         config.write_text(fleet_toml(broker.url, "kill-server", devices=3, rounds=4, local_steps=20))
         agents = start_agents(tmp_path, broker.url, "kill-server", 3)
-        server = spawn("server.fleet", ["--config", str(config)], tmp_path / "server-1.log")
+        server = spawn("nestling.server.fleet", ["--config", str(config)], tmp_path / "server-1.log")
         watch = FleetWatch(broker.host, broker.port, "kill-server")
         killed = watch.when_task(1, lambda: os.kill(server.pid, signal.SIGKILL))
         try:
             wait_until(killed.is_set, 120, "round 2's first task")
             server.wait(10)
             before = metrics(tmp_path / "out")
-            resumed = spawn("server.fleet", ["--config", str(config), "--resume"], tmp_path / "server-2.log")
+            resumed = spawn("nestling.server.fleet", ["--config", str(config), "--resume"], tmp_path / "server-2.log")
             assert resumed.wait(120) == 0, (tmp_path / "server-2.log").read_text()[-3000:]
             assert all(agent.poll() is None for agent in agents)  # nobody restarted the agents
         finally:

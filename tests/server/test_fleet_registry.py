@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nestling.errors import WireError
-from server.registry import DeviceRegistry
+from nestling.server.registry import DeviceRegistry
 
 
 def test_a_hello_becomes_device_info_and_indices_survive_a_restart(tmp_path):

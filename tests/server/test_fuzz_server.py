@@ -15,12 +15,12 @@ from nestling.wire.chunking import encode_chunk_request, split_into_chunks
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, encode_message, pack_frame
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
-from server.broker import EmbeddedBroker
-from server.clock import WallClock
-from server.coordinator import Coordinator, RoundPolicy
-from server.mqtt_transport import MqttTransport, TransportSettings
-from server.registry import DeviceRegistry
-from server.strategies import StrategyContext, create_strategy
+from nestling.server.broker import EmbeddedBroker
+from nestling.server.clock import WallClock
+from nestling.server.coordinator import Coordinator, RoundPolicy
+from nestling.server.mqtt_transport import MqttTransport, TransportSettings
+from nestling.server.registry import DeviceRegistry
+from nestling.server.strategies import StrategyContext, create_strategy
 from tests.server.fleet_harness import FakeDevice, echo_result, state_copy, wait_until
 
 FLEET = "fuzz"

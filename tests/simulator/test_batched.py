@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.procedures import ClientData, DeviceStore
-from edge.trainer import run_task
+from nestling.edge.procedures import ClientData, DeviceStore
+from nestling.edge.trainer import run_task
 from nestling.errors import ConfigError
 from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
-from simulator.backend import InProcessBackend, balanced_jobs, split_jobs
-from simulator.batched import BatchPolicy, batch_key, run_tasks, train_batched
+from nestling.simulator.backend import InProcessBackend, balanced_jobs, split_jobs
+from nestling.simulator.batched import BatchPolicy, batch_key, run_tasks, train_batched
 
 MODEL = ModelConfig("tinycnn", num_classes=5, in_channels=3, image_size=8)
 

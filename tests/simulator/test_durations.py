@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.emulation import training_flops
+from nestling.edge.emulation import training_flops
 from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.cost import count_macs
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
-from simulator.durations import TraceDurations, payload_bytes, samples_trained
-from simulator.traces import ANY_MODEL, DeviceTrace
+from nestling.simulator.durations import TraceDurations, payload_bytes, samples_trained
+from nestling.simulator.traces import ANY_MODEL, DeviceTrace
 
 MODEL = ModelConfig("tinycnn", num_classes=4, in_channels=3, image_size=8)
 SHAPE = (3, 8, 8)
@@ -95,8 +95,8 @@ def test_local_steps_fix_the_samples_trained() -> None:
                                 {"local_steps": 7, "batch_size": 8}, {"local_steps": 3, "batch_size": 64},
                                 {"local_epochs": 2, "batch_size": 2}])
 def test_samples_trained_counts_what_the_local_procedures_really_draw(n: int, hp: dict) -> None:
-    from edge.procedures import ClientData
-    from edge.procedures.common import batches
+    from nestling.edge.procedures import ClientData
+    from nestling.edge.procedures.common import batches
 
     data = ClientData(torch.zeros(n, 1, 2, 2), torch.zeros(n, dtype=torch.long))
     drawn = sum(len(y) for _, y in batches(data, hp, torch.Generator().manual_seed(0)))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.procedures import ClientData, DeviceStore
-from edge.trainer import run_task
+from nestling.edge.procedures import ClientData, DeviceStore
+from nestling.edge.trainer import run_task
 from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
-from simulator.batched import train_batched
-from simulator.grouped import GroupedClients, NotGroupable, groupable
+from nestling.simulator.batched import train_batched
+from nestling.simulator.grouped import GroupedClients, NotGroupable, groupable
 
 
 def client_data(seed: int, n: int = 16) -> ClientData:

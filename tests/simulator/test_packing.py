@@ -6,7 +6,7 @@ import pickle
 
 import torch
 
-from simulator.packing import pack_state
+from nestling.simulator.packing import pack_state
 
 
 def test_every_dtype_and_shape_round_trips_in_order() -> None:

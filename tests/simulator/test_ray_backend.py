@@ -10,14 +10,14 @@ import torch
 
 from nestling.config import config_from_dict
 from nestling.errors import DependencyError
-from server.checkpoint import latest_checkpoint, load_checkpoint
-from simulator.fleetdata import client_provider
-from simulator.run import run_simulation
-from simulator.traces import DeviceTrace, save_traces
+from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
+from nestling.simulator.fleetdata import client_provider
+from nestling.simulator.run import run_simulation
+from nestling.simulator.traces import DeviceTrace, save_traces
 
 
 def test_without_ray_the_backend_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from simulator.ray_backend import RayBackend
+    from nestling.simulator.ray_backend import RayBackend
 
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` fail as if it were not installed
     with pytest.raises(DependencyError, match=r"--backend ray needs ray: pip install nestling\[ray\]"):

@@ -14,13 +14,13 @@ from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.spec import SubmodelSpec
-from server.clock import VirtualClock
-from server.strategies.base import DeviceInfo
-from simulator.durations import Arrival
-from simulator.inprocess import InProcessTransport
-from simulator.replay import TraceReplay, fleet_size
-from simulator.run import run_simulation
-from simulator.traces import DeviceTrace, save_traces
+from nestling.server.clock import VirtualClock
+from nestling.server.strategies.base import DeviceInfo
+from nestling.simulator.durations import Arrival
+from nestling.simulator.inprocess import InProcessTransport
+from nestling.simulator.replay import TraceReplay, fleet_size
+from nestling.simulator.run import run_simulation
+from nestling.simulator.traces import DeviceTrace, save_traces
 
 
 @dataclass

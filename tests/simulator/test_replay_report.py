@@ -7,7 +7,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from simulator.replay_report import class_outcomes, gantt_round, round_spans, write_replay_report
+from nestling.simulator.replay_report import class_outcomes, gantt_round, round_spans, write_replay_report
 
 
 def event(round_index: int, device: str, cls: str, start: float, end: float, outcome: str) -> dict:

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge.procedures import ClientData, DeviceStore, get_procedure
-from edge.procedures.depthwise import AUX_KEY, fresh_auxiliary, mutual_loss, run_stages, skip_link
+from nestling.edge.procedures import ClientData, DeviceStore, get_procedure
+from nestling.edge.procedures.depthwise import AUX_KEY, fresh_auxiliary, mutual_loss, run_stages, skip_link
 from nestling.models import ModelConfig, build
 from nestling.models.net import ScalableNet
 from nestling.spec import SubmodelSpec
-from profiler.decompose import StagePlan
+from nestling.profiler.decompose import StagePlan
 
 torch.set_num_threads(1)
 
@@ -215,8 +215,8 @@ def test_bad_plans_are_refused() -> None:
 
 
 def test_an_auxiliary_of_another_model_in_the_store_is_replaced_by_a_fresh_one(caplog) -> None:
-    from edge.procedures.depthwise import AUX_KEY, load_auxiliaries
-    from edge.procedures.registry import DeviceStore
+    from nestling.edge.procedures.depthwise import AUX_KEY, load_auxiliaries
+    from nestling.edge.procedures.registry import DeviceStore
     from nestling.models.config import ModelConfig
     from nestling.models.zoo import build
     from nestling.spec import SubmodelSpec

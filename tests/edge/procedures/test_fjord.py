@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge.procedures import ClientData, DeviceStore, get_procedure
-from edge.procedures.fjord import widths_up_to
+from nestling.edge.procedures import ClientData, DeviceStore, get_procedure
+from nestling.edge.procedures.fjord import widths_up_to
 from nestling.models import ModelConfig, build, kept_channels, set_active_width
 from nestling.models.layers import SlimConv2d
 from nestling.spec import SubmodelSpec

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from edge.procedures import ClientData, DeviceStore, get_procedure
-from edge.procedures.common import batches, cross_entropy
+from nestling.edge.procedures import ClientData, DeviceStore, get_procedure
+from nestling.edge.procedures.common import batches, cross_entropy
 from nestling.models import ModelConfig, build
 from nestling.spec import SubmodelSpec
 

@@ -19,7 +19,8 @@ from nestling.data.safe_pickle import load_numpy_pickle
 from nestling.data.webp_npz import cached_webp_decode
 from nestling.errors import DataError
 
-SHARED_CIFAR10_TEST = Path("/work/shared/data/cifar10/test.npz")
+# The shared data folder beside the repository (or $NESTLING_DATA_ROOT); tests that read it skip without it.
+SHARED_CIFAR10_TEST = Path(os.environ.get("NESTLING_DATA_ROOT", Path(__file__).resolve().parents[4] / "shared" / "data")) / "cifar10" / "test.npz"
 
 
 def to_rows(x: np.ndarray) -> np.ndarray:

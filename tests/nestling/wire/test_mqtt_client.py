@@ -18,7 +18,7 @@ from nestling.wire.client import (
     read_credentials,
 )
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
-from server.broker import EmbeddedBroker
+from nestling.server.broker import EmbeddedBroker
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from nestling.models import build
-from server.strategies import DeviceInfo, create_strategy
-from server.strategies.depthfl import DepthFL, stage_ends
+from nestling.server.strategies import DeviceInfo, create_strategy
+from nestling.server.strategies.depthfl import DepthFL, stage_ends
 
 
 def depthfl(make_ctx, arch: str = "resnet20", **options) -> DepthFL:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from edge.procedures.feddyn import STORE_KEY, FedDynTerm
-from edge.procedures.registry import DeviceStore
+from nestling.edge.procedures.feddyn import STORE_KEY, FedDynTerm
+from nestling.edge.procedures.registry import DeviceStore
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
-from server.strategies import StrategyContext, create_strategy
-from server.strategies.base import DeviceInfo
+from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.server.strategies.base import DeviceInfo
 
 
 def test_client_term_starts_at_zero_and_updates_h() -> None:

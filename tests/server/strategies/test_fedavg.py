@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from server.strategies import DeviceInfo, create_strategy
+from nestling.server.strategies import DeviceInfo, create_strategy
 
 
 def devices(n: int) -> list[DeviceInfo]:

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.procedures import ClientData, DeviceStore
-from edge.trainer import run_task
+from nestling.edge.procedures import ClientData, DeviceStore
+from nestling.edge.trainer import run_task
 from nestling.config import config_from_dict
 from nestling.errors import ConfigError
 from nestling.spec import SubmodelSpec
-from profiler.decompose import StagePlan
-from server.strategies import DeviceInfo, StrategyContext, create_strategy
-from server.strategies.fedepth import BUDGET_PRESETS
+from nestling.profiler.decompose import StagePlan
+from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
+from nestling.server.strategies.fedepth import BUDGET_PRESETS
 
 torch.set_num_threads(1)
 
@@ -168,7 +168,7 @@ def test_simulate_runs_through_the_coordinator(method: str, budgets: str, tmp_pa
         "model": {"arch": "preresnet20"}, "method": {"name": method, "budgets": budgets},
         "train": {"fraction": 1.0, "local_steps": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9,
                   "schedule": "cosine"}})
-    from simulator.run import run_simulation
+    from nestling.simulator.run import run_simulation
 
     summary = run_simulation(cfg, tmp_path)
     assert [s["name"] for s in summary["submodels"]] == ["full"]

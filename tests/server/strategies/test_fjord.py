@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nestling.models import kept_channels
-from server.strategies import DeviceInfo, create_strategy
-from server.strategies.fjord import FjORD
+from nestling.server.strategies import DeviceInfo, create_strategy
+from nestling.server.strategies.fjord import FjORD
 
 LEVELS = (0.2, 0.4, 0.6, 0.8, 1.0)
 

@@ -8,9 +8,9 @@ import torch
 from nestling.errors import ConfigError
 from nestling.messages import Task
 from nestling.models.layers import Scaler
-from server.evaluation import Evaluator
-from server.strategies import DeviceInfo, create_strategy
-from server.strategies.heterofl import HeteroFL, parse_rate_mix
+from nestling.server.evaluation import Evaluator
+from nestling.server.strategies import DeviceInfo, create_strategy
+from nestling.server.strategies.heterofl import HeteroFL, parse_rate_mix
 
 
 def heterofl(make_ctx, **options) -> HeteroFL:

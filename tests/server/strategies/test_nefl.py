@@ -10,17 +10,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edge.procedures import ClientData
-from edge.trainer import run_task
+from nestling.edge.procedures import ClientData
+from nestling.edge.trainer import run_task
 from nestling.messages import Result, Task
 from nestling.models import ModelConfig, build
 from nestling.models.cost import count_parameters
 from nestling.slicing import scatter
 from nestling.spec import SubmodelSpec
-from server.strategies import DeviceInfo, create_strategy
-from server.strategies import nefl as nefl_module
-from server.strategies.nefl import NeFL
-from server.strategies.nefl_presets import nefl_family
+from nestling.server.strategies import DeviceInfo, create_strategy
+from nestling.server.strategies import nefl as nefl_module
+from nestling.server.strategies.nefl import NeFL
+from nestling.server.strategies.nefl_presets import nefl_family
 
 NUM_BLOCKS = 9  # resnet20
 
@@ -299,7 +299,7 @@ def test_nefl_do_initial_steps_count_the_skipped_blocks_after_each_kept_block() 
     """§2.a.1: stage mask 1,8,0,0,0,0,0,0,0 style — a kept block followed by m skipped blocks starts at 1 + m."""
     from nestling.models.config import ModelConfig
     from nestling.spec import SubmodelSpec
-    from server.strategies.nefl import do_initial_steps
+    from nestling.server.strategies.nefl import do_initial_steps
 
     # resnet56: three stages of nine blocks; keep blocks 0 and 1 of stage 1 only, the first of stages 2 and 3.
     spec = SubmodelSpec(ModelConfig("resnet56"), blocks=(0, 1, 9, 18))
@@ -308,8 +308,8 @@ def test_nefl_do_initial_steps_count_the_skipped_blocks_after_each_kept_block() 
 
 
 def test_step_init_do_seeds_each_submodel_store() -> None:
-    from server.strategies import StrategyContext, create_strategy
-    from server.strategies.nefl import do_initial_steps
+    from nestling.server.strategies import StrategyContext, create_strategy
+    from nestling.server.strategies.nefl import do_initial_steps
 
     ctx = StrategyContext(arch="resnet56", num_classes=10, in_channels=3, image_size=32, num_clients=5,
                           total_rounds=2, options={"step_init": "do"})

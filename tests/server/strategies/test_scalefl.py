@@ -12,9 +12,9 @@ from nestling.errors import ConfigError
 from nestling.models import ModelConfig, build, kept_channels
 from nestling.models.cost import count_parameters
 from nestling.spec import SubmodelSpec
-from server.strategies import DeviceInfo, StrategyContext, create_strategy
-from server.strategies.scalefl import ScaleFL
-from server.strategies.scalefl_split import search_levels
+from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
+from nestling.server.strategies.scalefl import ScaleFL
+from nestling.server.strategies.scalefl_split import search_levels
 
 NUM_BLOCKS = 9
 BASE = ModelConfig("resnet20", num_classes=4, image_size=8, exit_kind="scalefl", scaler="always", norm_stats="batch",
@@ -195,9 +195,9 @@ def test_tensors_that_received_no_gradient_are_not_counted(scalefl: ScaleFL, fak
 
 def test_registered_budgets_pick_the_largest_level_that_fits() -> None:
     """§6.a.1 / §6.b.7: each client's level cost (training memory here) ≤ its budget; none fits → cheapest."""
-    from profiler.estimator import estimate
-    from server.strategies import StrategyContext, create_strategy
-    from server.strategies.base import DeviceInfo
+    from nestling.profiler.estimator import estimate
+    from nestling.server.strategies import StrategyContext, create_strategy
+    from nestling.server.strategies.base import DeviceInfo
 
     ctx = StrategyContext(arch="resnet20", num_classes=10, in_channels=3, image_size=32, num_clients=4,
                           total_rounds=4, local={"batch_size": 16})
@@ -215,8 +215,8 @@ class TestLevelsFromThePlanner:
     """`nestling plan --method scalefl` clusters measured budgets into levels; the strategy trains exactly those."""
 
     def test_strategy_given_the_plans_grid_has_the_plans_level_specs(self) -> None:
-        from profiler.planner import DeviceBudget
-        from server.plan_methods import plan_rows
+        from nestling.profiler.planner import DeviceBudget
+        from nestling.server.plan_methods import plan_rows
 
         mb = 1024 * 1024
         devices = [DeviceBudget(f"d{i}", int(m * mb)) for i, m in enumerate((1.5, 2, 3, 4, 6, 9, 40))]
