@@ -62,8 +62,10 @@ def _pad_affine(affine: ChannelAffine, multiple: int) -> ChannelAffine:
 
 
 def alignable(model: StandaloneNet) -> bool:
-    """Only convolutional graphs: a LayerNorm would normalise over the padded features too."""
-    return not any(isinstance(m, nn.LayerNorm) for m in model.modules())
+    """Only convolutional graphs (a conv stem to start from): a LayerNorm would normalise over the padded
+    features too, and a graph without convolutions has no feature maps to pad."""
+    has_conv_stem = any(isinstance(m, nn.Conv2d) for m in model.stem.modules())
+    return has_conv_stem and not any(isinstance(m, nn.LayerNorm) for m in model.modules())
 
 
 def align_channels(model: StandaloneNet, multiple: int) -> StandaloneNet:

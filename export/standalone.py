@@ -8,6 +8,7 @@ projection shortcut or removed; blocks after the last requested output removed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +25,10 @@ from nestling.export.plain_layers import (
     TokenHead,
 )
 from nestling.errors import SpecError
-from nestling.models.blocks import BasicBlock, EncoderBlock, PreActBlock
-from nestling.models.heads import DepthFLExit, PoolClassifier, ScaleFLExit, SepConv, TokenClassifier
+from nestling.models.family import family_of
+from nestling.models.heads import SepConv
 from nestling.models.layers import Scaler
 from nestling.models.net import ScalableNet
-from nestling.models.zoo import ConvStem, PatchStem
 
 HEAD = "head"
 
@@ -148,84 +148,45 @@ def _uniform(channels: int, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _step(block: BasicBlock | PreActBlock) -> torch.Tensor:
-    return block.step.detach().double().reshape(-1)
-
-
-def _pre_activation(bn: nn.BatchNorm2d) -> nn.Sequential:
+def pre_activation(bn: nn.BatchNorm2d) -> nn.Sequential:
+    """BN → ReLU as a per-channel affine and a ReLU (pre-activation blocks and normalised pool heads)."""
     return nn.Sequential(ChannelAffine(bn_affine(bn)), nn.ReLU())
 
 
-def convert_stem(stem: nn.Module) -> nn.Module:
-    if isinstance(stem, ConvStem):
-        layers = fold_chain([stem.conv, stem.scale, stem.bn])
-        if stem.relu:
-            layers.append(nn.ReLU())
-        if stem.max_pool:
-            layers.append(nn.MaxPool2d(3, 2, 1))
-        return nn.Sequential(*layers)
-    if isinstance(stem, PatchStem):
-        return PatchEmbed(fold_conv(stem.proj), stem.cls_token, stem.pos_embed)
-    raise SpecError(f"export does not know the stem {type(stem).__name__}")
+@dataclass(frozen=True)
+class StandaloneKit:
+    """What a model family's `standalone_part` converts with (the kernel cannot import export itself)."""
+
+    fold_chain: Callable[[list[nn.Module]], list[nn.Module]] = fold_chain
+    fold_conv: Callable[..., nn.Conv2d] = fold_conv
+    bn_affine: Callable[..., tuple[torch.Tensor, torch.Tensor]] = bn_affine
+    scale_affine: Callable[..., tuple[torch.Tensor, torch.Tensor]] = scale_affine
+    scaler_factor: Callable[[nn.Module], float] = scaler_factor
+    plain_linear: Callable[[nn.Module], nn.Linear] = plain_linear
+    pre_activation: Callable[[nn.BatchNorm2d], nn.Sequential] = pre_activation
+    ChannelAffine: type[nn.Module] = ChannelAffine
+    Residual: type[nn.Module] = Residual
+    PreActResidual: type[nn.Module] = PreActResidual
+    PoolLinear: type[nn.Module] = PoolLinear
+    GatedPoolLinear: type[nn.Module] = GatedPoolLinear
+    PatchEmbed: type[nn.Module] = PatchEmbed
+    Encoder: type[nn.Module] = Encoder
+    TokenHead: type[nn.Module] = TokenHead
 
 
-def convert_block(block: nn.Module) -> nn.Module | None:
-    """The folded block, or None when it is an identity in inference (a skipped block without projection)."""
-    if isinstance(block, BasicBlock):
-        shortcut = nn.Sequential(*fold_chain(list(block.shortcut))) if block.has_projection else None
-        if block.skipped:
-            # Skipped post-activation block: ReLU(P(x)); without P its input is already a ReLU output.
-            return None if shortcut is None else nn.Sequential(shortcut, nn.ReLU())
-        conv2 = fold_conv(
-            block.conv2, post=scale_affine(bn_affine(block.bn2, scaler_factor(block.scale2)), _step(block))
-        )
-        body = nn.Sequential(*fold_chain([block.conv1, block.scale1, block.bn1]), nn.ReLU(), conv2)
-        return Residual(body, shortcut)
-    if isinstance(block, PreActBlock):
-        if block.skipped and not block.has_projection:
-            return None
-        pre = _pre_activation(block.bn1)
-        projection: nn.Conv2d | None = None
-        if block.has_projection:
-            scaler, conv = block.shortcut
-            assert isinstance(conv, nn.Conv2d)
-            projection = fold_conv(conv, pre_scale=scaler_factor(scaler))
-        if block.skipped:
-            assert projection is not None
-            return nn.Sequential(pre, projection)
-        conv1 = fold_conv(
-            block.conv1,
-            pre_scale=scaler_factor(block.scale1),
-            post=bn_affine(block.bn2, scaler_factor(block.scale2)),
-        )
-        conv2 = fold_conv(
-            block.conv2,
-            post=(
-                _step(block).expand(block.conv2.out_channels),
-                torch.zeros(block.conv2.out_channels, dtype=torch.float64),
-            ),
-        )
-        return PreActResidual(pre, nn.Sequential(conv1, nn.ReLU(), conv2), projection)
-    if isinstance(block, EncoderBlock):
-        return None if block.skipped else Encoder(block)
-    raise SpecError(f"export does not know the block {type(block).__name__}")
+KIT = StandaloneKit()
 
 
-def convert_head(head: nn.Module) -> nn.Module:
-    if isinstance(head, PoolClassifier):
-        pre = _pre_activation(head.norm) if head.norm is not None else nn.Identity()
-        return PoolLinear(pre, plain_linear(head.fc))
-    if isinstance(head, ScaleFLExit):
-        return PoolLinear(nn.Sequential(*fold_chain(list(head.body))), plain_linear(head.fc))
-    if isinstance(head, DepthFLExit):
-        return GatedPoolLinear(
-            nn.Sequential(*fold_chain(list(head.attention))),
-            nn.Sequential(*fold_chain(list(head.stack))),
-            plain_linear(head.fc),
-        )
-    if isinstance(head, TokenClassifier):
-        return TokenHead(head)
-    raise SpecError(f"export does not know the head {type(head).__name__}")
+def convert_part(net: ScalableNet, part: nn.Module) -> nn.Module | None:
+    """The folded stem, block or head of `net`'s family; None for a block that is an identity in inference."""
+    return family_of(net.arch).standalone_part(part, KIT)
+
+
+def _required(net: ScalableNet, part: nn.Module) -> nn.Module:
+    converted = convert_part(net, part)
+    if converted is None:
+        raise SpecError(f"model family '{net.arch}' turned its {type(part).__name__} into nothing")
+    return converted
 
 
 @torch.no_grad()
@@ -234,7 +195,7 @@ def build_standalone(net: ScalableNet, plan: OutputPlan) -> StandaloneNet:
     if net.training:
         raise SpecError("build the standalone module from a model in eval mode (its BN statistics are final)")
     ends = [int(t[4:]) if t != HEAD else len(net.blocks) - 1 for t in plan.taps]
-    blocks = [convert_block(b) for b in list(net.blocks)[: max(ends) + 1]]
+    blocks = [convert_part(net, b) for b in list(net.blocks)[: max(ends) + 1]]
     segments: list[nn.Module] = []
     heads: list[nn.Module] = []
     start = 0
@@ -242,9 +203,9 @@ def build_standalone(net: ScalableNet, plan: OutputPlan) -> StandaloneNet:
         segments.append(nn.Sequential(*[b for b in blocks[start : end + 1] if b is not None]))
         head = net.head if tap == HEAD else net.exits[tap[4:]]
         assert head is not None
-        heads.append(convert_head(head))
+        heads.append(_required(net, head))
         start = end + 1
-    model = StandaloneNet(convert_stem(net.stem), segments, heads, plan).eval()
+    model = StandaloneNet(_required(net, net.stem), segments, heads, plan).eval()
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model

@@ -1,7 +1,8 @@
-"""Symbolic forward pass of a zoo model: each op's parameters, MACs and what autograd keeps, without tensors.
+"""Symbolic forward pass of a model: each op's parameters, MACs and what autograd keeps, without tensors.
 
-Mirrors nestling/models (zoo, blocks, heads) op by op; a test holds it to the real modules (parameter
-and MAC counts exactly, saved bytes against the measured profile).
+`Walk` provides the ops; each model family's `walk` (nestling/models/family.py) runs its forward through
+them. tests/nestling/models/test_families.py holds every registered family's walk to its real module
+(parameters, MACs and saved activation bytes equal).
 """
 
 from __future__ import annotations
@@ -9,12 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nestling.errors import ConfigError, SpecError
+from nestling.errors import SpecError
+from nestling.models.family import family_of
 from nestling.models.layers import kept_channels
 from nestling.models.net import BlockInfo
-from nestling.models.zoo import CONV_FAMILIES, VIT_DEFAULTS, conv_block_infos, vit_block_infos
 from nestling.spec import SubmodelSpec
-from nestling.profiler.walk_parts import conv_block, conv_exit, encoder_block, pool_head, token_head
 
 FLOAT, INDEX = 4, 8
 
@@ -168,68 +168,19 @@ class Walk:
             self._targets = self.new((1,), itemsize=INDEX)  # one label tensor, shared by every output's loss
         self.save(self.new(logits.shape), self._targets, self.new((1,), fixed=True))
 
-    # -- the zoo ------------------------------------------------------------------------------
+    # -- the model ------------------------------------------------------------------------------
     def run(self) -> None:
-        arch = self.model.arch
-        if arch in CONV_FAMILIES:
-            self._conv_net()
-        elif arch == "vit":
-            self._vit()
-        else:
-            raise ConfigError(f"[model] the estimator does not know model '{arch}'")
+        """Walk the spec's model: its registered family drives the ops above (nestling/models/family.py)."""
+        family_of(self.model.arch).walk(self)
 
-    def _kept(self, infos: tuple[BlockInfo, ...]) -> tuple[set[int], int]:
+    def kept(self, infos: tuple[BlockInfo, ...]) -> tuple[set[int], int]:
+        """Executed blocks and depth of the spec (as the build keeps them)."""
         depth = len(infos) if self.spec.depth is None else self.spec.depth
         if depth > len(infos):
             raise SpecError(f"depth {depth} exceeds the {len(infos)} blocks of {self.model.arch}")
         kept = set(range(depth)) if self.spec.blocks is None else set(self.spec.blocks) & set(range(depth))
         return kept, depth
 
-    def _hidden(self, index: int) -> float | None:
+    def hidden(self, index: int) -> float | None:
+        """Block `index`'s hidden-channel ratio, or None for the submodel's width."""
         return None if self.spec.block_widths is None else self.spec.block_widths[index]
-
-    def _conv_net(self) -> None:
-        family = CONV_FAMILIES[self.model.arch]
-        infos = conv_block_infos(family, self.model.image_size)
-        kept, depth = self._kept(infos)
-        size = self.model.image_size
-        x = self.new((self.model.in_channels, size, size))
-        self.begin("stem", "stem")
-        x = self.bn(self.scaler(self.conv(x, self.ch(family.stem_width), 3)), family.stem_width)
-        if not family.preact:
-            x = self.relu(x)
-        if family.max_pool:
-            x = self.max_pool(x)
-        final = family.stage_widths[-1]
-        for info in infos[:depth]:
-            self.begin(f"block{info.index}", "block", info.index)
-            x = conv_block(self, x, info, skipped=info.index not in kept, preact=family.preact,
-                           hidden=self._hidden(info.index))
-            if info.index in self.spec.exits:
-                self.begin(f"exit{info.index}", "exit", info.index)
-                self.loss(conv_exit(self, x, info.global_out, final))
-        if self.spec.head:
-            self.begin("head", "head")
-            self.loss(pool_head(self, x, final, with_norm=family.preact))
-
-    def _vit(self) -> None:
-        cfg = {**VIT_DEFAULTS, **self.model.extra}
-        infos = vit_block_infos(self.model.extra, self.model.image_size)
-        kept, depth = self._kept(infos)
-        size, patch = self.model.image_size, cfg["patch"]
-        self.begin("stem", "stem")
-        dim = self.ch(cfg["dim"])
-        x = self.conv(self.new((self.model.in_channels, size, size)), dim, patch, patch, bias=True, padding=0)
-        tokens = x.shape[1] * x.shape[2] + 1
-        self.params(dim + tokens * dim)  # class token, learned positions
-        x = self.new((tokens, dim))
-        for info in infos[:depth]:
-            self.begin(f"block{info.index}", "block", info.index)
-            if info.index in kept:
-                x = encoder_block(self, x, cfg, hidden=self._hidden(info.index))
-            if info.index in self.spec.exits:
-                self.begin(f"exit{info.index}", "exit", info.index)
-                self.loss(token_head(self, x))
-        if self.spec.head:
-            self.begin("head", "head")
-            self.loss(token_head(self, x))

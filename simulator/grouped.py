@@ -19,18 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nestling.models.blocks import BasicBlock, PreActBlock
-from nestling.models.heads import DepthFLExit, PoolClassifier, ScaleFLExit, SepConv
+from nestling.models.family import family_of
 from nestling.models.layers import Scaler, SlimBatchNorm2d, SlimConv2d, SlimLinear
 from nestling.models.net import ScalableNet
-from nestling.models.zoo import ConvStem
 
-# Modules whose forward only applies per-channel or per-client operations once their layers are grouped.
-_GROUPABLE = (
-    ScalableNet, ConvStem, BasicBlock, PreActBlock, PoolClassifier, ScaleFLExit, SepConv, DepthFLExit,
-    nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ReLU, nn.Sigmoid, nn.Upsample, nn.Identity, Scaler,
-    SlimConv2d, SlimBatchNorm2d, SlimLinear,
-)
+# Layers grouping knows how to widen, or that act per channel (a family declares its own forwards groupable).
+_GROUPABLE_LAYERS = (SlimConv2d, SlimBatchNorm2d, SlimLinear, Scaler, nn.ReLU, nn.Sigmoid, nn.Upsample, nn.Identity,
+                     nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 class NotGroupable(ValueError):
@@ -60,6 +55,11 @@ def _broadcast_step(module: nn.Module, _inputs: object) -> None:
     module.step = grouped.repeat_interleave(channels).view(1, -1, 1, 1)
 
 
+def _stepped(module: nn.Module) -> bool:
+    """A residual block whose scalar step size multiplies `stepped_channels()` channels (blocks.py)."""
+    return "step" in module._parameters and callable(getattr(module, "stepped_channels", None))
+
+
 @dataclass(frozen=True)
 class _Slot:
     """Where client k's copy of one original state entry lives in the grouped network."""
@@ -69,11 +69,18 @@ class _Slot:
 
 
 def groupable(model: nn.Module) -> bool:
-    """Whether `group_clients` can train this model (convolutional zoo models without per-width BN)."""
+    """Whether `group_clients` can train this model: its family says its forwards only mix channels within
+    a layer grouping widens (ModelFamily.groupable), every leaf layer is one of those, no per-width BN."""
+    if not isinstance(model, ScalableNet) or not family_of(model.arch).groupable:
+        return False
     for module in model.modules():
-        if not isinstance(module, _GROUPABLE):
-            return False
         if isinstance(module, SlimBatchNorm2d) and module.stats == "per_width":
+            return False
+        if isinstance(module, _GROUPABLE_LAYERS):
+            continue
+        leaf = next(module.children(), None) is None
+        own = set(module._parameters) - ({"step"} if _stepped(module) else set())
+        if leaf or own:
             return False
     return True
 
@@ -132,12 +139,12 @@ class GroupedClients:
             bias = torch.stack([s[prefix + "bias"] for s in states]) if module.bias is not None else None
             self._map(prefix, ("weight", "bias") if bias is not None else ("weight",), "index")
             return GroupedLinear(weight, bias)
-        if isinstance(module, (BasicBlock, PreActBlock)) and "step" in module._parameters:
+        if _stepped(module):
             learnable = module.step.requires_grad
+            channels = module.stepped_channels()  # type: ignore[operator]
             del module._parameters["step"]
             module.step_grouped = nn.Parameter(torch.cat([s[prefix + "step"] for s in states]), learnable)
-            conv2: SlimConv2d = module.conv2
-            module.step_channels = conv2.out_channels
+            module.step_channels = channels
             module.register_forward_pre_hook(_broadcast_step)
             self.slots[prefix + "step"] = _Slot(prefix + "step_grouped", "rows")
         return None

@@ -39,6 +39,10 @@ class BasicBlock(nn.Module):
         self.bn2 = ctx.norm(global_out)
         self.step = _step(1.0, ctx.model.learnable_step)
 
+    def stepped_channels(self) -> int:
+        """Channels the step size multiplies (grouped training broadcasts each client's step over them)."""
+        return self.conv2.out_channels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skip = self.shortcut(x) if self.has_projection else x
         if self.skipped:
@@ -71,6 +75,10 @@ class PreActBlock(nn.Module):
         self.bn2 = ctx.norm(global_out, hidden_ratio)
         self.conv2 = ctx.conv(global_out, global_out, 3, in_ratio=hidden_ratio)
         self.step = _step(1.0, ctx.model.learnable_step)
+
+    def stepped_channels(self) -> int:
+        """Channels the step size multiplies (grouped training broadcasts each client's step over them)."""
+        return self.conv2.out_channels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skipped and not self.has_projection:

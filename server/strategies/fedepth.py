@@ -8,6 +8,7 @@ from nestling.aggregation import Contribution
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
+from nestling.models.family import family_of
 from nestling.models.zoo import block_infos
 from nestling.spec import SubmodelSpec
 from nestling.profiler.decompose import DepthCosts, StagePlan, depth_costs, depth_costs_from_profile, width_budget
@@ -80,7 +81,7 @@ class FeDepth(Strategy):
             raise ConfigError(f"[method] max_models must be >= 1, got {self.max_models}")
         self.batch = int(self.ctx.local.get("batch_size", 32))
         self.momentum = float(self.ctx.local.get("momentum", 0.0)) > 0.0
-        self.stem_every_stage = self.model.arch == "vit"  # §3.a.9: ViT stages all train patch embedding
+        self.stem_every_stage = family_of(self.model.arch).stem_trains_every_stage  # §3.a.9 (ViT)
         self.costs = self._cost_table()
         self.ratio_bytes = {r: self._width_bytes(r) for r in self.ratios}
         self._plans: dict[int, tuple[StagePlan, int]] = {}

@@ -1,0 +1,166 @@
+"""A model family: one registered object that knows everything about one architecture's structure.
+
+Each family builds any of its submodels from a SubmodelSpec, lists its blocks, walks its forward
+symbolically for the profiler's estimator, converts a trained submodel's parts to export's plain
+layers, and answers the questions methods ask (NeFL presets, FeDepth stages, client grouping). The
+consumers (zoo, profiler, export, simulator, strategies) ask the registry, so adding an architecture
+is one module that calls `register_family` (docs/extending.md).
+
+The kernel may not import the profiler or export, so those hand their tools in: `walk(w)` receives the
+profiler's `Walk` (its ops: conv, bn, relu, linear, ...), `standalone_part(part, kit)` receives export's
+folding kit (nestling.export.standalone.KIT).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from torch import nn
+
+from nestling.errors import ConfigError, SpecError
+from nestling.models.context import BuildContext
+from nestling.models.net import BlockInfo, ScalableNet
+
+if TYPE_CHECKING:  # nestling.spec imports nestling.models: a runtime import here would be circular
+    from nestling.spec import SubmodelSpec
+
+Walker = Any  # nestling.profiler.walk.Walk (the kernel does not import the profiler)
+ExportKit = Any  # nestling.export.standalone.KIT (the kernel does not import export)
+NeflPreset = list[tuple[float, tuple[int, ...] | None]]  # (parameter fraction γ, kept blocks or None = all)
+
+
+class ModelFamily:
+    """The interface every architecture implements; subclasses override what their structure needs.
+
+    `build_parts` and `block_infos` are required. `walk` is required for the profiler's estimator
+    (tests/nestling/models/test_families.py holds every registered family's walk to its real module:
+    parameters, MACs and saved activation bytes equal). `standalone_part` defaults to a frozen copy of the
+    part, right for parts built of plain layers.
+    """
+
+    name: str = ""
+    paper: str = ""
+    groupable: bool = False  # K same-spec clients can train as one grouped network (simulator/grouped.py)
+    stem_trains_every_stage: bool = False  # FeDepth §3.a.9: every depth stage also trains the stem
+
+    # -- structure -----------------------------------------------------------------------------
+    def block_infos(self, image_size: int, extra: dict[str, Any]) -> tuple[BlockInfo, ...]:
+        """Global geometry of every residual block, in depth order."""
+        raise NotImplementedError(f"model family '{self.name}' does not list its blocks")
+
+    def stage_depths(self, extra: dict[str, Any]) -> tuple[int, ...]:
+        """Blocks per stage (NeFL's depth presets keep a prefix of each stage)."""
+        counts: dict[int, int] = {}
+        for info in self.block_infos(32, extra):
+            counts[info.stage] = counts.get(info.stage, 0) + 1
+        return tuple(counts[s] for s in sorted(counts))
+
+    def build_parts(self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int],
+                    depth: int) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
+        """stem, the first `depth` blocks (those not in `kept` built skipped), exits by block, final head."""
+        raise NotImplementedError(f"model family '{self.name}' does not build")
+
+    def build(self, spec: SubmodelSpec) -> ScalableNet:
+        """The physically sliced module of `spec` (uninitialised: zoo.build initialises)."""
+        infos = self.block_infos(spec.model.image_size, spec.model.extra)
+        kept, depth = kept_blocks(spec, len(infos))
+        ctx = BuildContext(spec.model, spec.width)
+        stem, blocks, exits, head = self.build_parts(spec, ctx, infos, kept, depth)
+        return ScalableNet(stem, blocks, exits, head, infos, spec.model.arch)
+
+    # -- profiler ------------------------------------------------------------------------------
+    def walk(self, w: Walker) -> None:
+        """Run `w.spec`'s training forward symbolically through the profiler's walk `w`."""
+        raise ConfigError(f"[model] the estimator does not know model '{self.name}' (its family has no walk)")
+
+    # -- export --------------------------------------------------------------------------------
+    def standalone_part(self, part: nn.Module, kit: ExportKit) -> nn.Module | None:
+        """The inference-only equivalent of a stem, block or head; None for a block that is an identity."""
+        if getattr(part, "skipped", False):
+            return None
+        frozen = copy.deepcopy(part).eval()
+        return frozen
+
+    # -- method questions ----------------------------------------------------------------------
+    def nefl_depth_preset(self) -> list[tuple[int, ...]] | None:
+        """NeFL-D's published kept-block sets (four smaller submodels), or None for the generic rule."""
+        return None
+
+    def nefl_wd_preset(self) -> NeflPreset | None:
+        """NeFL-WD's published (γ, kept blocks) per submodel, smallest first, or None for the generic rule."""
+        return None
+
+
+_REGISTRY: dict[str, ModelFamily] = {}
+F = TypeVar("F", bound=Callable[[], ModelFamily])
+
+
+def register_family(factory: F) -> F:
+    """Decorator: register the family `factory()` returns under its `name` (a class or a function)."""
+    family = factory()
+    if not isinstance(family, ModelFamily) or not family.name:
+        raise ConfigError(f"{getattr(factory, '__name__', factory)!r} must return a named ModelFamily")
+    if family.name in _REGISTRY:
+        raise ConfigError(f"[model] model family '{family.name}' is registered twice")
+    _REGISTRY[family.name] = family
+    return factory
+
+
+def unregister_family(name: str) -> None:
+    """Remove a family (tests that register a throw-away family clean up with this)."""
+    _REGISTRY.pop(name, None)
+
+
+def family_of(arch: str) -> ModelFamily:
+    """The registered family of model `arch`."""
+    try:
+        return _REGISTRY[arch]
+    except KeyError:
+        raise ConfigError(f"[model] unknown model '{arch}' (known: {', '.join(_REGISTRY)})") from None
+
+
+def registered_families() -> dict[str, ModelFamily]:
+    """Every registered family by name, in registration order."""
+    return dict(_REGISTRY)
+
+
+def kept_blocks(spec: SubmodelSpec, count: int) -> tuple[set[int], int]:
+    """Executed block indices and the depth of `spec` in a model of `count` blocks, with clear errors."""
+    depth = count if spec.depth is None else spec.depth
+    if depth > count:
+        raise SpecError(f"depth {depth} exceeds the {count} blocks of {spec.model.arch}")
+    kept = set(range(count)) if spec.blocks is None else set(spec.blocks)
+    outside = sorted(b for b in kept if not 0 <= b < count)
+    if outside:
+        raise SpecError(f"blocks {outside} do not exist in {spec.model.arch} (0..{count - 1})")
+    kept &= set(range(depth))
+    if not kept:
+        raise SpecError(f"submodel of {spec.model.arch} keeps no residual block")
+    late_exits = [e for e in spec.exits if e >= depth]
+    if late_exits:
+        raise SpecError(f"exits {late_exits} lie beyond the submodel's depth {depth}")
+    if spec.block_widths is not None and len(spec.block_widths) != count:
+        raise SpecError(f"block_widths has {len(spec.block_widths)} entries, {spec.model.arch} has {count} blocks")
+    return kept, depth
+
+
+def kept_from_stage_masks(masks: list[list[int]]) -> tuple[int, ...]:
+    """Global indices of the blocks a per-stage 0/1 mask keeps (NeFL's published depth masks)."""
+    kept, index = [], 0
+    for stage in masks:
+        for bit in stage:
+            if bit:
+                kept.append(index)
+            index += 1
+    return tuple(kept)
+
+
+def first_n_per_stage(depths: tuple[int, ...], per_stage: tuple[int, ...]) -> tuple[int, ...]:
+    """Global indices of the first n blocks of every stage."""
+    kept, offset = [], 0
+    for depth, n in zip(depths, per_stage):
+        kept.extend(range(offset, offset + min(n, depth)))
+        offset += depth
+    return tuple(kept)

@@ -1,0 +1,132 @@
+"""The Vision Transformer (NeFL's ViT): patch embedding, pre-norm encoder blocks with step sizes, token head.
+
+Dimensions default to VIT_DEFAULTS; a model config's `extra` overrides any of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nestling.errors import SpecError
+from nestling.models.blocks import EncoderBlock
+from nestling.models.context import BuildContext
+from nestling.models.family import ExportKit, ModelFamily, Walker, register_family
+from nestling.models.heads import TokenClassifier
+from nestling.models.net import BlockInfo
+
+if TYPE_CHECKING:
+    from nestling.spec import SubmodelSpec
+
+VIT_DEFAULTS = {"patch": 4, "dim": 128, "depth": 6, "heads": 4, "mlp_dim": 256}
+
+
+class PatchStem(nn.Module):
+    """Patch embedding + class token + learned positions (ViT)."""
+
+    def __init__(self, ctx: BuildContext, dim: int, patch: int) -> None:
+        super().__init__()
+        n = ctx.channels(dim)
+        tokens = (ctx.model.image_size // patch) ** 2
+        self.proj = nn.Conv2d(ctx.model.in_channels, n, patch, patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, n))
+        self.pos_embed = nn.Parameter(torch.randn(1, tokens + 1, n) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return x + self.pos_embed
+
+
+@register_family
+class VitFamily(ModelFamily):
+    """One stage of `depth` encoder blocks over (image_size / patch)² + 1 tokens."""
+
+    name = "vit"
+    paper = "NeFL ViT"
+    stem_trains_every_stage = True  # FeDepth §3.a.9: ViT stages all train the patch embedding
+
+    @staticmethod
+    def config(extra: dict[str, Any]) -> dict[str, int]:
+        return {**VIT_DEFAULTS, **extra}
+
+    def block_infos(self, image_size: int, extra: dict[str, Any]) -> tuple[BlockInfo, ...]:
+        cfg = self.config(extra)
+        tokens = (image_size // cfg["patch"]) ** 2 + 1
+        return tuple(BlockInfo(i, 0, cfg["dim"], cfg["dim"], 1, tokens, tokens) for i in range(cfg["depth"]))
+
+    def stage_depths(self, extra: dict[str, Any]) -> tuple[int, ...]:
+        return (self.config(extra)["depth"],)
+
+    def build_parts(self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int],
+                    depth: int) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
+        cfg = self.config(spec.model.extra)
+        if spec.model.image_size % cfg["patch"]:
+            raise SpecError(f"image_size {spec.model.image_size} is not a multiple of the ViT patch {cfg['patch']}")
+        stem = PatchStem(ctx, cfg["dim"], cfg["patch"])
+        blocks: list[nn.Module] = [
+            EncoderBlock(ctx, cfg["dim"], cfg["heads"], cfg["mlp_dim"], skipped=i not in kept,
+                         hidden_ratio=None if spec.block_widths is None else spec.block_widths[i])
+            for i in range(depth)
+        ]
+        exits: dict[int, nn.Module] = {e: TokenClassifier(ctx, cfg["dim"]) for e in spec.exits}
+        head = TokenClassifier(ctx, cfg["dim"]) if spec.head else None
+        return stem, blocks, exits, head
+
+    def walk(self, w: Walker) -> None:
+        model, spec = w.model, w.spec
+        cfg = self.config(model.extra)
+        kept, depth = w.kept(self.block_infos(model.image_size, model.extra))
+        size, patch = model.image_size, cfg["patch"]
+        w.begin("stem", "stem")
+        dim = w.ch(cfg["dim"])
+        x = w.conv(w.new((model.in_channels, size, size)), dim, patch, patch, bias=True, padding=0)
+        tokens = x.shape[1] * x.shape[2] + 1
+        w.params(dim + tokens * dim)  # class token, learned positions
+        x = w.new((tokens, dim))
+        for index in range(depth):
+            w.begin(f"block{index}", "block", index)
+            if index in kept:
+                x = _walk_encoder(w, x, cfg, hidden=w.hidden(index))
+            if index in spec.exits:
+                w.begin(f"exit{index}", "exit", index)
+                w.loss(_walk_token_head(w, x))
+        if spec.head:
+            w.begin("head", "head")
+            w.loss(_walk_token_head(w, x))
+
+    def standalone_part(self, part: nn.Module, kit: ExportKit) -> nn.Module | None:
+        if isinstance(part, PatchStem):
+            return kit.PatchEmbed(kit.fold_conv(part.proj), part.cls_token, part.pos_embed)
+        if isinstance(part, EncoderBlock):
+            return None if part.skipped else kit.Encoder(part)
+        if isinstance(part, TokenClassifier):
+            return kit.TokenHead(part)
+        raise SpecError(f"export does not know the {type(part).__name__} of model family '{self.name}'")
+
+
+def _walk_encoder(w: Walker, x: Any, cfg: dict[str, int], *, hidden: float | None) -> Any:
+    """Pre-norm ViT block with step sizes; attention keeps q, k, v, its output and log-sum-exp (CPU kernel)."""
+    tokens, _ = x.shape
+    ratio = w.spec.width if hidden is None else hidden
+    heads = w.ch(cfg["heads"], ratio)
+    inner = heads * (cfg["dim"] // cfg["heads"])
+    mlp = w.ch(cfg["mlp_dim"], ratio)
+    dim = x.shape[1]
+    h = w.layer_norm(x)
+    q, k, v = (w.linear(h, inner) for _ in range(3))
+    attended = w.new((tokens, inner))
+    w.save(q, k, v, attended, w.new((heads, tokens)))
+    w.cur.macs += 2 * tokens * tokens * inner
+    x = w.fresh(w.step(w.linear(attended, dim)))
+    hidden_units = w.linear(w.layer_norm(x), mlp)
+    w.save(hidden_units)  # GELU keeps its input; fc2 then keeps GELU's output
+    return w.fresh(w.step(w.linear(w.fresh(hidden_units), dim)))
+
+
+def _walk_token_head(w: Walker, x: Any) -> Any:
+    """LayerNorm → class token → linear; the linear keeps a view of the whole normalised sequence."""
+    normed = w.layer_norm(x)
+    return w.linear(w.new((x.shape[1],)), w.model.num_classes, saved=normed)

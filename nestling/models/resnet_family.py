@@ -1,0 +1,244 @@
+"""The ResNet-like families (CIFAR ResNets, PreResNet, ResNet-18/34, the tiny CNN): one class, many instances.
+
+Everything about their structure lives here: the stem, the block and exit choice, the symbolic walk the
+profiler's estimator runs, and the conversion to export's folded plain layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nestling.errors import SpecError
+from nestling.models.blocks import BasicBlock, PreActBlock
+from nestling.models.context import BuildContext
+from nestling.models.family import ExportKit, ModelFamily, NeflPreset, Walker
+from nestling.models.heads import DepthFLExit, PoolClassifier, ScaleFLExit, make_exit
+from nestling.models.net import BlockInfo
+
+if TYPE_CHECKING:
+    from nestling.spec import SubmodelSpec
+
+
+class ConvStem(nn.Module):
+    """3×3 conv (all image channels kept) → BN [→ ReLU] [→ max-pool]."""
+
+    def __init__(self, ctx: BuildContext, width: int, *, relu: bool, max_pool: bool) -> None:
+        super().__init__()
+        self.conv = ctx.conv(ctx.model.in_channels, width, 3, image_input=True)
+        self.scale = ctx.scaler()
+        self.bn = ctx.norm(width)
+        self.relu = relu
+        self.max_pool = max_pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.bn(self.scale(self.conv(x)))
+        if self.relu:
+            x = F.relu(x)
+        if self.max_pool:
+            x = F.max_pool2d(x, 3, 2, 1)
+        return x
+
+
+@dataclass(frozen=True)
+class ResNetFamily(ModelFamily):
+    """A ResNet-like family: stem width, per-stage widths and depths, block kind."""
+
+    name: str = field()  # field(): the base class's `name = ""` must not become a default
+    stem_width: int
+    stage_widths: tuple[int, ...]
+    depths: tuple[int, ...]
+    preact: bool
+    max_pool: bool = False  # NeFL ResNet18/34: 3×3 max-pool stride 2 after the stem
+    first_stride: int = 1
+    paper: str = ""
+    nefl_depth_masks: tuple[tuple[int, ...], ...] | None = None
+    nefl_wd: tuple[tuple[float, tuple[int, ...] | None], ...] | None = None
+    groupable: bool = True  # every layer is per-channel once grouped
+
+    def stage_depths(self, extra: dict[str, Any]) -> tuple[int, ...]:
+        return self.depths
+
+    # -- structure -----------------------------------------------------------------------------
+    def block_infos(self, image_size: int, extra: dict[str, Any]) -> tuple[BlockInfo, ...]:
+        infos: list[BlockInfo] = []
+        channels, size = self.stem_width, image_size
+        if self.max_pool:
+            size = (size + 1) // 2
+        for stage, (width, depth) in enumerate(zip(self.stage_widths, self.depths)):
+            for j in range(depth):
+                stride = (self.first_stride if stage == 0 else 2) if j == 0 else 1
+                out_size = (size + stride - 1) // stride
+                infos.append(BlockInfo(len(infos), stage, channels, width, stride, size, out_size))
+                channels, size = width, out_size
+        return tuple(infos)
+
+    def build_parts(self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int],
+                    depth: int) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
+        stem = ConvStem(ctx, self.stem_width, relu=not self.preact, max_pool=self.max_pool)
+        block_cls = PreActBlock if self.preact else BasicBlock
+        blocks: list[nn.Module] = [
+            block_cls(ctx, info.global_in, info.global_out, info.stride, skipped=info.index not in kept,
+                      hidden_ratio=None if spec.block_widths is None else spec.block_widths[info.index])
+            for info in infos[:depth]
+        ]
+        final = self.stage_widths[-1]
+        exits = {e: make_exit(ctx, infos[e].global_out, final, preact=self.preact) for e in spec.exits}
+        head = PoolClassifier(ctx, final, with_norm=self.preact) if spec.head else None
+        return stem, blocks, exits, head
+
+    # -- profiler ------------------------------------------------------------------------------
+    def walk(self, w: Walker) -> None:
+        model, spec = w.model, w.spec
+        infos = self.block_infos(model.image_size, model.extra)
+        kept, depth = w.kept(infos)
+        size = model.image_size
+        x = w.new((model.in_channels, size, size))
+        w.begin("stem", "stem")
+        x = w.bn(w.scaler(w.conv(x, w.ch(self.stem_width), 3)), self.stem_width)
+        if not self.preact:
+            x = w.relu(x)
+        if self.max_pool:
+            x = w.max_pool(x)
+        final = self.stage_widths[-1]
+        for info in infos[:depth]:
+            w.begin(f"block{info.index}", "block", info.index)
+            x = _walk_block(w, x, info, skipped=info.index not in kept, preact=self.preact,
+                            hidden=w.hidden(info.index))
+            if info.index in spec.exits:
+                w.begin(f"exit{info.index}", "exit", info.index)
+                w.loss(_walk_exit(w, x, info.global_out, final))
+        if spec.head:
+            w.begin("head", "head")
+            w.loss(_walk_pool_head(w, x, final, with_norm=self.preact))
+
+    # -- export --------------------------------------------------------------------------------
+    def standalone_part(self, part: nn.Module, kit: ExportKit) -> nn.Module | None:
+        if isinstance(part, ConvStem):
+            layers = kit.fold_chain([part.conv, part.scale, part.bn])
+            if part.relu:
+                layers.append(nn.ReLU())
+            if part.max_pool:
+                layers.append(nn.MaxPool2d(3, 2, 1))
+            return nn.Sequential(*layers)
+        if isinstance(part, BasicBlock):
+            return _standalone_basic(part, kit)
+        if isinstance(part, PreActBlock):
+            return _standalone_preact(part, kit)
+        if isinstance(part, PoolClassifier):
+            pre = kit.pre_activation(part.norm) if part.norm is not None else nn.Identity()
+            return kit.PoolLinear(pre, kit.plain_linear(part.fc))
+        if isinstance(part, ScaleFLExit):
+            return kit.PoolLinear(nn.Sequential(*kit.fold_chain(list(part.body))), kit.plain_linear(part.fc))
+        if isinstance(part, DepthFLExit):
+            return kit.GatedPoolLinear(nn.Sequential(*kit.fold_chain(list(part.attention))),
+                                       nn.Sequential(*kit.fold_chain(list(part.stack))), kit.plain_linear(part.fc))
+        raise SpecError(f"export does not know the {type(part).__name__} of model family '{self.name}'")
+
+    # -- method questions ----------------------------------------------------------------------
+    def nefl_depth_preset(self) -> list[tuple[int, ...]] | None:
+        return None if self.nefl_depth_masks is None else list(self.nefl_depth_masks)
+
+    def nefl_wd_preset(self) -> NeflPreset | None:
+        return None if self.nefl_wd is None else list(self.nefl_wd)
+
+
+# -- the symbolic walk of blocks and heads (profiler/walk.py runs it; the test over every family holds it) --
+def _walk_block(w: Walker, x: Any, info: BlockInfo, *, skipped: bool, preact: bool, hidden: float | None) -> Any:
+    """BasicBlock / PreActBlock, skipped blocks running only their shortcut."""
+    c_h, c_out = w.ch(info.global_out, hidden), w.ch(info.global_out)
+    projection = info.stride != 1 or info.global_in != info.global_out
+    if preact:
+        if skipped and not projection:
+            return x
+        h = w.relu(w.bn(x, info.global_in))
+        skip = w.conv(w.scaler(h), c_out, 1, info.stride) if projection else x
+        if skipped:
+            return skip
+        out = w.conv(w.scaler(h), c_h, 3, info.stride)
+        out = w.conv(w.relu(w.bn(w.scaler(out), info.global_out, hidden)), c_out, 3)
+        return w.fresh(w.step(out))
+    skip = w.bn(w.scaler(w.conv(x, c_out, 1, info.stride)), info.global_out) if projection else x
+    if skipped:
+        return w.relu(skip)
+    out = w.relu(w.bn(w.scaler(w.conv(x, c_h, 3, info.stride)), info.global_out, hidden))
+    out = w.bn(w.scaler(w.conv(out, c_out, 3)), info.global_out)
+    return w.relu(w.fresh(w.step(out)))
+
+
+def _walk_pool_head(w: Walker, x: Any, global_channels: int, *, with_norm: bool, relu: bool = True) -> Any:
+    """[BN [→ ReLU]] → global average pool → linear over every class (PoolClassifier)."""
+    if with_norm:
+        x = w.bn(x, global_channels)
+        if relu:
+            x = w.relu(x)
+    return w.linear(w.pool(x), w.model.num_classes)
+
+
+def _walk_sep_conv(w: Walker, x: Any, global_in: int, global_out: int, stride: int) -> Any:
+    c_in, c_out = w.ch(global_in), w.ch(global_out)
+    x = w.conv(x, c_in, 3, stride, groups=c_in)
+    x = w.relu(w.bn(w.conv(x, c_in, 1), global_in))
+    x = w.conv(x, c_in, 3, groups=c_in)
+    return w.relu(w.bn(w.conv(x, c_out, 1), global_out))
+
+
+def _walk_exit(w: Walker, x: Any, global_channels: int, final_channels: int) -> Any:
+    """The exit head of the model's exit_kind after a block emitting `global_channels` (heads.make_exit)."""
+    kind = w.model.exit_kind
+    if kind == "scalefl":
+        for _ in range(3):
+            x = w.relu(w.bn(w.scaler(w.conv(x, w.ch(global_channels), 3)), global_channels))
+        return w.linear(w.pool(x), w.model.num_classes)
+    if kind == "depthfl":
+        gate = _walk_sep_conv(w, x, global_channels, global_channels, 2)
+        c, h, wd = gate.shape
+        gate = w.relu(w.new((c, 2 * h, 2 * wd)))  # sigmoid keeps its output like a ReLU
+        w.save(x)
+        feature = w.new(x.shape)
+        channels = global_channels
+        while channels < final_channels:
+            feature = _walk_sep_conv(w, feature, channels, channels * 2, 2)
+            channels *= 2
+        return w.linear(w.pool(feature), w.model.num_classes)
+    return _walk_pool_head(w, x, global_channels, with_norm=True, relu=kind != "fedepth")
+
+
+# -- export: residual blocks folded into plain convolutions ----------------------------------------------------
+def _step(block: BasicBlock | PreActBlock) -> torch.Tensor:
+    return block.step.detach().double().reshape(-1)
+
+
+def _standalone_basic(block: BasicBlock, kit: ExportKit) -> nn.Module | None:
+    shortcut = nn.Sequential(*kit.fold_chain(list(block.shortcut))) if block.has_projection else None
+    if block.skipped:
+        # Skipped post-activation block: ReLU(P(x)); without P its input is already a ReLU output.
+        return None if shortcut is None else nn.Sequential(shortcut, nn.ReLU())
+    conv2 = kit.fold_conv(
+        block.conv2, post=kit.scale_affine(kit.bn_affine(block.bn2, kit.scaler_factor(block.scale2)), _step(block))
+    )
+    body = nn.Sequential(*kit.fold_chain([block.conv1, block.scale1, block.bn1]), nn.ReLU(), conv2)
+    return kit.Residual(body, shortcut)
+
+
+def _standalone_preact(block: PreActBlock, kit: ExportKit) -> nn.Module | None:
+    if block.skipped and not block.has_projection:
+        return None
+    pre = kit.pre_activation(block.bn1)
+    projection: nn.Conv2d | None = None
+    if block.has_projection:
+        scaler, conv = block.shortcut
+        assert isinstance(conv, nn.Conv2d)
+        projection = kit.fold_conv(conv, pre_scale=kit.scaler_factor(scaler))
+    if block.skipped:
+        assert projection is not None
+        return nn.Sequential(pre, projection)
+    conv1 = kit.fold_conv(block.conv1, pre_scale=kit.scaler_factor(block.scale1),
+                          post=kit.bn_affine(block.bn2, kit.scaler_factor(block.scale2)))
+    conv2 = kit.fold_conv(block.conv2, post=(_step(block).expand(block.conv2.out_channels),
+                                             torch.zeros(block.conv2.out_channels, dtype=torch.float64)))
+    return kit.PreActResidual(pre, nn.Sequential(conv1, nn.ReLU(), conv2), projection)
