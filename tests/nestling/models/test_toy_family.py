@@ -103,11 +103,14 @@ def test_the_registered_family_builds_slices_and_lists_its_blocks() -> None:
 
 def test_the_estimator_walks_it_like_the_real_module() -> None:
     from nestling.profiler.estimator import estimate
+    from nestling.profiler.measure import profile_model
 
     spec = SubmodelSpec(ModelConfig(NAME, in_channels=1, image_size=8), width=0.5, blocks=(0, 2))
     cost = estimate(spec, 4)
     assert cost.params == count_parameters(build(spec))
     assert cost.forward_macs == count_macs(build(spec), (1, 8, 8))
+    measured = profile_model(spec, 4, repeats=1, warmup=0, rss_check=False)
+    assert cost.activation_bytes == measured["total"]["activations_bytes"]
     assert [p.name for p in cost.parts] == ["stem", "block0", "block1", "block2", "head"]
 
 

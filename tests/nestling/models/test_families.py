@@ -1,0 +1,79 @@
+"""Every registered model family, held to its own real module: the profiler's symbolic walk (parameters and
+MACs and saved activation bytes equal), export's standalone form (same outputs), block listing,
+client grouping and the NeFL presets. A new family is covered by registering it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nestling.models import ModelConfig, build, family_of, registered_families
+from nestling.models.cost import count_macs, count_parameters
+from nestling.spec import SubmodelSpec
+
+IMAGE = 16
+FAMILIES = sorted(registered_families())
+
+
+def _specs(arch: str) -> list[SubmodelSpec]:
+    """The full model and a narrow one that skips every other block (each family builds both)."""
+    model = ModelConfig(arch, num_classes=7, image_size=IMAGE)
+    count = len(family_of(arch).block_infos(IMAGE, {}))
+    return [SubmodelSpec(model), SubmodelSpec(model, width=0.5, blocks=tuple(range(0, count, 2)))]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_estimator_walk_matches_the_real_module(arch: str) -> None:
+    from nestling.profiler.estimator import estimate
+    from nestling.profiler.measure import profile_model
+
+    for spec in _specs(arch):
+        net = build(spec)
+        cost = estimate(spec, 4)
+        assert cost.params == count_parameters(net), spec
+        assert cost.forward_macs == count_macs(net, (3, IMAGE, IMAGE)), spec
+        profile = profile_model(spec, 4, repeats=1, warmup=0, rss_check=False)
+        measured = {p["name"]: p["memory"]["activations_bytes"] for p in profile["parts"]}
+        assert [p.name for p in cost.parts] == list(measured)
+        for part in cost.parts:  # the bytes autograd keeps, as its saved-tensor hooks count them
+            assert part.activation_bytes == measured[part.name], (spec, part.name)
+        assert cost.activation_bytes == profile["total"]["activations_bytes"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_standalone_form_gives_the_same_outputs(arch: str) -> None:
+    from nestling.export.standalone import build_standalone, plan_outputs
+
+    for spec in _specs(arch):
+        torch.manual_seed(0)
+        net = build(spec).eval()
+        standalone = build_standalone(net, plan_outputs(net))
+        x = torch.randn(3, 3, IMAGE, IMAGE)
+        with torch.no_grad():
+            torch.testing.assert_close(standalone(x), net(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_blocks_grouping_and_presets_are_answered_by_the_family(arch: str) -> None:
+    from nestling.server.strategies.nefl_presets import nefl_family
+    from nestling.simulator.grouped import groupable
+
+    family = family_of(arch)
+    spec = _specs(arch)[0]
+    net = build(spec)
+    assert len(net.blocks) == len(family.block_infos(IMAGE, {})) == sum(family.stage_depths({}))
+    assert groupable(net) == family.groupable
+    count = len(net.blocks)
+    for mode in ("w", "d", "wd"):
+        presets = nefl_family(arch, mode)
+        assert len(presets) == 5 and presets[-1] == (1.0, None)
+        for width, kept in presets:
+            build(SubmodelSpec(spec.model, width=width, blocks=kept), device="meta")
+            assert kept is None or all(0 <= b < count for b in kept)
+
+
+def test_an_unknown_model_names_the_known_ones() -> None:
+    from nestling.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown model 'resnet999'.*resnet20"):
+        family_of("resnet999")
