@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nestling.export.fold import ChannelAffine, bn_affine, fold_conv, plain_linear, scale_affine, scaler_factor
+from nestling.errors import SpecError
+from nestling.export.fold import (
+    ChannelAffine,
+    bn_affine,
+    fold_conv,
+    plain_linear,
+    scale_affine,
+    scaler_factor,
+)
 from nestling.export.plain_layers import (
     Encoder,
     GatedPoolLinear,
@@ -24,7 +32,6 @@ from nestling.export.plain_layers import (
     Residual,
     TokenHead,
 )
-from nestling.errors import SpecError
 from nestling.models.family import family_of
 from nestling.models.heads import SepConv
 from nestling.models.layers import Scaler

@@ -1,29 +1,36 @@
 """The model zoo: every registered model family builds any of its submodels (METHODS §1.5).
 
-The families live in their own modules (resnet_family.py and family_*.py) and register themselves with
+The families live in their own modules (family_*.py, sharing resnet_family.py) and register themselves with
 `nestling.models.family.register_family`; this module is the stable entry point the rest of the code calls.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-# Importing the built-in family modules registers them (in this order: the order `known_models` lists).
-from nestling.models import family_tinycnn, family_cifar_resnet, family_imagenet_resnet, family_vit  # noqa: F401
 from nestling.models.family import family_of, kept_blocks, registered_families
-from nestling.models.family_vit import VIT_DEFAULTS, PatchStem
 from nestling.models.net import BlockInfo, ScalableNet
-from nestling.models.resnet_family import ConvStem, ResNetFamily
 
 if TYPE_CHECKING:  # nestling.spec imports nestling.models: a runtime import here would be circular
     from nestling.spec import SubmodelSpec
 
-__all__ = [
-    "VIT_DEFAULTS", "ConvStem", "PatchStem", "ResNetFamily", "block_infos", "build", "kept_blocks", "known_models",
-]
+
+def _import_family_modules() -> None:
+    """Import every nestling/models/family_*.py: each registers its families, so adding one is one module."""
+    for module in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+        if module.name.startswith("family_"):
+            importlib.import_module(f"nestling.models.{module.name}")
+
+
+_import_family_modules()
+
+__all__ = ["block_infos", "build", "kept_blocks", "known_models"]
 
 
 def block_infos(spec_or_arch: SubmodelSpec | str, image_size: int = 32, extra: dict | None = None) -> tuple[BlockInfo, ...]:

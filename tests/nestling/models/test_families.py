@@ -75,5 +75,5 @@ def test_blocks_grouping_and_presets_are_answered_by_the_family(arch: str) -> No
 def test_an_unknown_model_names_the_known_ones() -> None:
     from nestling.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="unknown model 'resnet999'.*resnet20"):
+    with pytest.raises(ConfigError, match=r"unknown model 'resnet999'.*resnet20"):
         family_of("resnet999")
