@@ -169,7 +169,7 @@ class StandaloneKit:
     bn_affine: Callable[..., tuple[torch.Tensor, torch.Tensor]] = bn_affine
     scale_affine: Callable[..., tuple[torch.Tensor, torch.Tensor]] = scale_affine
     scaler_factor: Callable[[nn.Module], float] = scaler_factor
-    plain_linear: Callable[[nn.Module], nn.Linear] = plain_linear
+    plain_linear: Callable[..., nn.Linear] = plain_linear
     pre_activation: Callable[[nn.BatchNorm2d], nn.Sequential] = pre_activation
     ChannelAffine: type[nn.Module] = ChannelAffine
     Residual: type[nn.Module] = Residual

@@ -140,7 +140,7 @@ class GroupedClients:
             self._map(prefix, ("weight", "bias") if bias is not None else ("weight",), "index")
             return GroupedLinear(weight, bias)
         if _stepped(module):
-            learnable = module.step.requires_grad
+            learnable = bool(module._parameters["step"].requires_grad)  # type: ignore[union-attr]
             channels = module.stepped_channels()  # type: ignore[operator]
             del module._parameters["step"]
             module.step_grouped = nn.Parameter(torch.cat([s[prefix + "step"] for s in states]), learnable)

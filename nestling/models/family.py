@@ -57,8 +57,9 @@ class ModelFamily:
             counts[info.stage] = counts.get(info.stage, 0) + 1
         return tuple(counts[s] for s in sorted(counts))
 
-    def build_parts(self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int],
-                    depth: int) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
+    def build_parts(
+        self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int], depth: int
+    ) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
         """stem, the first `depth` blocks (those not in `kept` built skipped), exits by block, final head."""
         raise NotImplementedError(f"model family '{self.name}' does not build")
 
@@ -142,13 +143,16 @@ def kept_blocks(spec: SubmodelSpec, count: int) -> tuple[set[int], int]:
     if late_exits:
         raise SpecError(f"exits {late_exits} lie beyond the submodel's depth {depth}")
     if spec.block_widths is not None and len(spec.block_widths) != count:
-        raise SpecError(f"block_widths has {len(spec.block_widths)} entries, {spec.model.arch} has {count} blocks")
+        raise SpecError(
+            f"block_widths has {len(spec.block_widths)} entries, {spec.model.arch} has {count} blocks"
+        )
     return kept, depth
 
 
 def kept_from_stage_masks(masks: list[list[int]]) -> tuple[int, ...]:
     """Global indices of the blocks a per-stage 0/1 mask keeps (NeFL's published depth masks)."""
-    kept, index = [], 0
+    kept: list[int] = []
+    index = 0
     for stage in masks:
         for bit in stage:
             if bit:
@@ -159,7 +163,8 @@ def kept_from_stage_masks(masks: list[list[int]]) -> tuple[int, ...]:
 
 def first_n_per_stage(depths: tuple[int, ...], per_stage: tuple[int, ...]) -> tuple[int, ...]:
     """Global indices of the first n blocks of every stage."""
-    kept, offset = [], 0
+    kept: list[int] = []
+    offset = 0
     for depth, n in zip(depths, per_stage):
         kept.extend(range(offset, offset + min(n, depth)))
         offset += depth

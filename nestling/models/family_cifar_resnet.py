@@ -13,10 +13,13 @@ def _first_n(depths: tuple[int, ...], per_stage: list[tuple[int, ...]]) -> tuple
     return tuple(first_n_per_stage(depths, n) for n in per_stage)
 
 
-def _wd(depths: tuple[int, ...], gammas: tuple[float, ...], per_stage: tuple[int, ...]
-        ) -> tuple[tuple[float, tuple[int, ...] | None], ...]:
-    return tuple((g, first_n_per_stage(depths, (n,) * len(depths)) if n < max(depths) else None)
-                 for g, n in zip(gammas, per_stage))
+def _wd(
+    depths: tuple[int, ...], gammas: tuple[float, ...], per_stage: tuple[int, ...]
+) -> tuple[tuple[float, tuple[int, ...] | None], ...]:
+    return tuple(
+        (g, first_n_per_stage(depths, (n,) * len(depths)) if n < max(depths) else None)
+        for g, n in zip(gammas, per_stage)
+    )
 
 
 @register_family
@@ -28,7 +31,12 @@ def resnet20() -> ResNetFamily:
 def resnet56() -> ResNetFamily:
     depths = (9, 9, 9)
     return ResNetFamily(
-        "resnet56", 16, _WIDTHS, depths, preact=False, paper="NeFL ResNet_c_WD",
+        "resnet56",
+        16,
+        _WIDTHS,
+        depths,
+        preact=False,
+        paper="NeFL ResNet_c_WD",
         nefl_depth_masks=_first_n(depths, [(2, 2, 2), (3, 3, 4), (4, 4, 6), (9, 8, 7)]),
         nefl_wd=_wd(depths, (0.464938, 0.607812, 0.777136, 0.902901, 1.0), (4, 6, 7, 8, 9)),
     )
@@ -38,7 +46,12 @@ def resnet56() -> ResNetFamily:
 def resnet110() -> ResNetFamily:
     depths = (18, 18, 18)
     return ResNetFamily(
-        "resnet110", 16, _WIDTHS, depths, preact=False, paper="NeFL / ScaleFL",
+        "resnet110",
+        16,
+        _WIDTHS,
+        depths,
+        preact=False,
+        paper="NeFL / ScaleFL",
         nefl_depth_masks=_first_n(depths, [(16, 4, 3), (14, 7, 7), (17, 13, 10), (16, 16, 14)]),
         nefl_wd=_wd(depths, (0.457253, 0.603831, 0.774235, 0.901430, 1.0), (8, 12, 14, 16, 18)),
     )

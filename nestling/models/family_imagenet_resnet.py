@@ -13,7 +13,9 @@ def _masks(masks: list[list[list[int]]]) -> tuple[tuple[int, ...], ...]:
     return tuple(kept_from_stage_masks(m) for m in masks)
 
 
-def _wd(gammas: tuple[float, ...], masks: list[list[list[int]]]) -> tuple[tuple[float, tuple[int, ...] | None], ...]:
+def _wd(
+    gammas: tuple[float, ...], masks: list[list[list[int]]]
+) -> tuple[tuple[float, tuple[int, ...] | None], ...]:
     kept: list[tuple[int, ...] | None] = [*_masks(masks)]
     kept += [None] * (len(gammas) - len(kept))
     return tuple(zip(gammas, kept))
@@ -22,9 +24,21 @@ def _wd(gammas: tuple[float, ...], masks: list[list[list[int]]]) -> tuple[tuple[
 @register_family
 def resnet18() -> ResNetFamily:
     return ResNetFamily(
-        "resnet18", 64, _WIDTHS, (2, 2, 2, 2), preact=False, max_pool=True, paper="NeFL ResNet_WD",
-        nefl_depth_masks=_masks([[[1, 1], [0, 0], [1, 1], [0, 0]], [[1, 1], [1, 1], [0, 0], [1, 0]],
-                                 [[1, 1], [1, 1], [1, 1], [1, 0]], [[1, 0], [1, 1], [0, 0], [1, 1]]]),
+        "resnet18",
+        64,
+        _WIDTHS,
+        (2, 2, 2, 2),
+        preact=False,
+        max_pool=True,
+        paper="NeFL ResNet_WD",
+        nefl_depth_masks=_masks(
+            [
+                [[1, 1], [0, 0], [1, 1], [0, 0]],
+                [[1, 1], [1, 1], [0, 0], [1, 0]],
+                [[1, 1], [1, 1], [1, 1], [1, 0]],
+                [[1, 0], [1, 1], [0, 0], [1, 1]],
+            ]
+        ),
         nefl_wd=_wd((0.34, 0.4, 0.6, 0.8, 1.0), [[[1, 1], [1, 1], [1, 1], [1, 0]]]),
     )
 
@@ -32,14 +46,28 @@ def resnet18() -> ResNetFamily:
 @register_family
 def resnet34() -> ResNetFamily:
     return ResNetFamily(
-        "resnet34", 64, _WIDTHS, (3, 4, 6, 3), preact=False, max_pool=True, paper="NeFL ResNet_WD",
-        nefl_depth_masks=_masks([[[1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 0, 0]],
-                                 [[1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0, 0, 1], [1, 0, 0]],
-                                 [[1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0, 0, 1], [1, 0, 1]],
-                                 [[1, 1, 1], [1, 0, 0, 1], [1, 1, 0, 0, 0, 1], [1, 1, 1]]]),
-        nefl_wd=_wd((0.378296, 0.625390, 0.770943, 0.899801, 1.0),
-                    [[[1, 1, 1], [1, 0, 0, 1], [1, 0, 0, 0, 0, 1], [1, 0, 1]],
-                     [[1, 1, 1], [1, 0, 0, 1], [1, 1, 1, 0, 0, 1], [1, 0, 1]],
-                     [[1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1, 0, 1], [1, 0, 1]],
-                     [[1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0, 0, 1], [1, 1, 1]]]),
+        "resnet34",
+        64,
+        _WIDTHS,
+        (3, 4, 6, 3),
+        preact=False,
+        max_pool=True,
+        paper="NeFL ResNet_WD",
+        nefl_depth_masks=_masks(
+            [
+                [[1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 0, 0]],
+                [[1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0, 0, 1], [1, 0, 0]],
+                [[1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0, 0, 1], [1, 0, 1]],
+                [[1, 1, 1], [1, 0, 0, 1], [1, 1, 0, 0, 0, 1], [1, 1, 1]],
+            ]
+        ),
+        nefl_wd=_wd(
+            (0.378296, 0.625390, 0.770943, 0.899801, 1.0),
+            [
+                [[1, 1, 1], [1, 0, 0, 1], [1, 0, 0, 0, 0, 1], [1, 0, 1]],
+                [[1, 1, 1], [1, 0, 0, 1], [1, 1, 1, 0, 0, 1], [1, 0, 1]],
+                [[1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1, 0, 1], [1, 0, 1]],
+                [[1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0, 0, 1], [1, 1, 1]],
+            ],
+        ),
     )

@@ -60,15 +60,24 @@ class VitFamily(ModelFamily):
     def stage_depths(self, extra: dict[str, Any]) -> tuple[int, ...]:
         return (self.config(extra)["depth"],)
 
-    def build_parts(self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int],
-                    depth: int) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
+    def build_parts(
+        self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int], depth: int
+    ) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
         cfg = self.config(spec.model.extra)
         if spec.model.image_size % cfg["patch"]:
-            raise SpecError(f"image_size {spec.model.image_size} is not a multiple of the ViT patch {cfg['patch']}")
+            raise SpecError(
+                f"image_size {spec.model.image_size} is not a multiple of the ViT patch {cfg['patch']}"
+            )
         stem = PatchStem(ctx, cfg["dim"], cfg["patch"])
         blocks: list[nn.Module] = [
-            EncoderBlock(ctx, cfg["dim"], cfg["heads"], cfg["mlp_dim"], skipped=i not in kept,
-                         hidden_ratio=None if spec.block_widths is None else spec.block_widths[i])
+            EncoderBlock(
+                ctx,
+                cfg["dim"],
+                cfg["heads"],
+                cfg["mlp_dim"],
+                skipped=i not in kept,
+                hidden_ratio=None if spec.block_widths is None else spec.block_widths[i],
+            )
             for i in range(depth)
         ]
         exits: dict[int, nn.Module] = {e: TokenClassifier(ctx, cfg["dim"]) for e in spec.exits}

@@ -77,13 +77,20 @@ class ResNetFamily(ModelFamily):
                 channels, size = width, out_size
         return tuple(infos)
 
-    def build_parts(self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int],
-                    depth: int) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
+    def build_parts(
+        self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int], depth: int
+    ) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
         stem = ConvStem(ctx, self.stem_width, relu=not self.preact, max_pool=self.max_pool)
         block_cls = PreActBlock if self.preact else BasicBlock
         blocks: list[nn.Module] = [
-            block_cls(ctx, info.global_in, info.global_out, info.stride, skipped=info.index not in kept,
-                      hidden_ratio=None if spec.block_widths is None else spec.block_widths[info.index])
+            block_cls(
+                ctx,
+                info.global_in,
+                info.global_out,
+                info.stride,
+                skipped=info.index not in kept,
+                hidden_ratio=None if spec.block_widths is None else spec.block_widths[info.index],
+            )
             for info in infos[:depth]
         ]
         final = self.stage_widths[-1]
@@ -107,8 +114,9 @@ class ResNetFamily(ModelFamily):
         final = self.stage_widths[-1]
         for info in infos[:depth]:
             w.begin(f"block{info.index}", "block", info.index)
-            x = _walk_block(w, x, info, skipped=info.index not in kept, preact=self.preact,
-                            hidden=w.hidden(info.index))
+            x = _walk_block(
+                w, x, info, skipped=info.index not in kept, preact=self.preact, hidden=w.hidden(info.index)
+            )
             if info.index in spec.exits:
                 w.begin(f"exit{info.index}", "exit", info.index)
                 w.loss(_walk_exit(w, x, info.global_out, final))
@@ -135,8 +143,11 @@ class ResNetFamily(ModelFamily):
         if isinstance(part, ScaleFLExit):
             return kit.PoolLinear(nn.Sequential(*kit.fold_chain(list(part.body))), kit.plain_linear(part.fc))
         if isinstance(part, DepthFLExit):
-            return kit.GatedPoolLinear(nn.Sequential(*kit.fold_chain(list(part.attention))),
-                                       nn.Sequential(*kit.fold_chain(list(part.stack))), kit.plain_linear(part.fc))
+            return kit.GatedPoolLinear(
+                nn.Sequential(*kit.fold_chain(list(part.attention))),
+                nn.Sequential(*kit.fold_chain(list(part.stack))),
+                kit.plain_linear(part.fc),
+            )
         raise SpecError(f"export does not know the {type(part).__name__} of model family '{self.name}'")
 
     # -- method questions ----------------------------------------------------------------------
@@ -148,7 +159,9 @@ class ResNetFamily(ModelFamily):
 
 
 # -- the symbolic walk of blocks and heads (profiler/walk.py runs it; the test over every family holds it) --
-def _walk_block(w: Walker, x: Any, info: BlockInfo, *, skipped: bool, preact: bool, hidden: float | None) -> Any:
+def _walk_block(
+    w: Walker, x: Any, info: BlockInfo, *, skipped: bool, preact: bool, hidden: float | None
+) -> Any:
     """BasicBlock / PreActBlock, skipped blocks running only their shortcut."""
     c_h, c_out = w.ch(info.global_out, hidden), w.ch(info.global_out)
     projection = info.stride != 1 or info.global_in != info.global_out
@@ -219,7 +232,8 @@ def _standalone_basic(block: BasicBlock, kit: ExportKit) -> nn.Module | None:
         # Skipped post-activation block: ReLU(P(x)); without P its input is already a ReLU output.
         return None if shortcut is None else nn.Sequential(shortcut, nn.ReLU())
     conv2 = kit.fold_conv(
-        block.conv2, post=kit.scale_affine(kit.bn_affine(block.bn2, kit.scaler_factor(block.scale2)), _step(block))
+        block.conv2,
+        post=kit.scale_affine(kit.bn_affine(block.bn2, kit.scaler_factor(block.scale2)), _step(block)),
     )
     body = nn.Sequential(*kit.fold_chain([block.conv1, block.scale1, block.bn1]), nn.ReLU(), conv2)
     return kit.Residual(body, shortcut)
@@ -237,8 +251,16 @@ def _standalone_preact(block: PreActBlock, kit: ExportKit) -> nn.Module | None:
     if block.skipped:
         assert projection is not None
         return nn.Sequential(pre, projection)
-    conv1 = kit.fold_conv(block.conv1, pre_scale=kit.scaler_factor(block.scale1),
-                          post=kit.bn_affine(block.bn2, kit.scaler_factor(block.scale2)))
-    conv2 = kit.fold_conv(block.conv2, post=(_step(block).expand(block.conv2.out_channels),
-                                             torch.zeros(block.conv2.out_channels, dtype=torch.float64)))
+    conv1 = kit.fold_conv(
+        block.conv1,
+        pre_scale=kit.scaler_factor(block.scale1),
+        post=kit.bn_affine(block.bn2, kit.scaler_factor(block.scale2)),
+    )
+    conv2 = kit.fold_conv(
+        block.conv2,
+        post=(
+            _step(block).expand(block.conv2.out_channels),
+            torch.zeros(block.conv2.out_channels, dtype=torch.float64),
+        ),
+    )
     return kit.PreActResidual(pre, nn.Sequential(conv1, nn.ReLU(), conv2), projection)

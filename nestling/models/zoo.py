@@ -33,7 +33,9 @@ _import_family_modules()
 __all__ = ["block_infos", "build", "kept_blocks", "known_models"]
 
 
-def block_infos(spec_or_arch: SubmodelSpec | str, image_size: int = 32, extra: dict | None = None) -> tuple[BlockInfo, ...]:
+def block_infos(
+    spec_or_arch: SubmodelSpec | str, image_size: int = 32, extra: dict | None = None
+) -> tuple[BlockInfo, ...]:
     """Global geometry of every block of an architecture."""
     if not isinstance(spec_or_arch, str):  # a SubmodelSpec
         model = spec_or_arch.model
@@ -49,7 +51,9 @@ def _init_weights(net: nn.Module) -> None:
     """Kaiming-normal convs and linears (NeFL ResNet_c_WD), zero biases."""
     for module in net.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
-            nn.init.kaiming_normal_(module.weight, mode="fan_out" if isinstance(module, nn.Conv2d) else "fan_in")
+            nn.init.kaiming_normal_(
+                module.weight, mode="fan_out" if isinstance(module, nn.Conv2d) else "fan_in"
+            )
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
 

@@ -120,15 +120,25 @@ def test_it_trains_a_simulated_round_and_exports_to_onnx_with_parity(method: str
     from nestling.export.pipeline import export_submodel
     from nestling.simulator.run import run_simulation
 
-    cfg = config_from_dict({
-        "run": {"rounds": 1, "workers": 1, "eval_every": 1}, "data": {"dataset": "digits", "clients": 4},
-        "model": {"arch": NAME}, "method": {"name": method},
-        "train": {"fraction": 1.0, "local_steps": 2, "batch_size": 16, "lr": 0.05}})
+    cfg = config_from_dict(
+        {
+            "run": {"rounds": 1, "workers": 1, "eval_every": 1},
+            "data": {"dataset": "digits", "clients": 4},
+            "model": {"arch": NAME},
+            "method": {"name": method},
+            "train": {"fraction": 1.0, "local_steps": 2, "batch_size": 16, "lr": 0.05},
+        }
+    )
     summary = run_simulation(cfg, tmp_path / "run")
     assert 0.0 <= summary["worst_accuracy"] <= 1.0
     checkpoint = sorted((tmp_path / "run" / "checkpoints").glob("round-*"))[-1]
-    report = export_submodel(checkpoint, tmp_path / "bundle", level=1, data="digits",
-                             options=ExportOptions(benchmark=False, calib_samples=64, eval_samples=64))
+    report = export_submodel(
+        checkpoint,
+        tmp_path / "bundle",
+        level=1,
+        data="digits",
+        options=ExportOptions(benchmark=False, calib_samples=64, eval_samples=64),
+    )
     assert (tmp_path / "bundle").is_dir()
     text = json.dumps(report, default=str)
     assert "parity" in text, text[:500]
