@@ -13,10 +13,15 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install --quiet "torch==2.13.0"
 fi
 if [ "${1:-}" = "--dev" ]; then
-  $PIP install --quiet -e ".[dev]"
-  if ! command -v mosquitto >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get install -y -qq mosquitto >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq mosquitto)) \
-      || echo "note: could not install mosquitto; its integration tests will be skipped" >&2
+  # The Ray backend is tested too (ray's wheel needs no torch or CUDA of its own).
+  $PIP install --quiet -e ".[dev,ray]"
+  # Debian packages the tests use: the mosquitto broker they start themselves, and Fashion-MNIST for the IDX loader.
+  missing=()
+  command -v mosquitto >/dev/null 2>&1 || missing+=(mosquitto)
+  [ -d /usr/share/datasets/fashion-mnist ] || missing+=(dataset-fashion-mnist)
+  if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq "${missing[@]}")) \
+      || echo "note: could not install ${missing[*]}; the tests that need them will be skipped" >&2
   fi
 else
   $PIP install --quiet -e .
