@@ -151,8 +151,8 @@ def mosquitto_binary() -> str | None:
 def start_mosquitto(config_path: Path | None, port: int, *, timeout_s: float = 10.0) -> subprocess.Popen:
     """Run mosquitto (a generated fleet config, or a plain loopback one) until `port` accepts connections.
 
-    Running as root, mosquitto would drop to the `mosquitto` user and lose access to the 0600 files a
-    generated config names, so a copy of the config that keeps root is used then.
+    The config is used as written: started as root, mosquitto drops to its own account exactly as Debian's
+    service does, which is what `nestling broker-config` prepares the fleet's files for.
     """
     binary = mosquitto_binary()
     if binary is None:
@@ -162,12 +162,6 @@ def start_mosquitto(config_path: Path | None, port: int, *, timeout_s: float = 1
         text = f"listener {port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\npersistence false\n"
     else:
         text = Path(config_path).read_text()
-    if (
-        hasattr(os, "geteuid")
-        and os.geteuid() == 0
-        and not any(line.split()[:1] == ["user"] for line in text.splitlines())
-    ):
-        text = "user root\n" + text
     config = workdir / "mosquitto.conf"
     config.write_text(text)
     log_file = (workdir / "mosquitto.log").open("wb")

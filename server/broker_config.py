@@ -8,7 +8,9 @@ import datetime
 import hashlib
 import ipaddress
 import json
+import grp
 import os
+import pwd
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,8 @@ class BrokerConfigFiles:
     server_cert: Path
     server_key: Path
     credentials: dict[str, Path] = field(default_factory=dict)
+    service_dropin: Path | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 def mosquitto_password_hash(
@@ -187,10 +191,11 @@ def _mosquitto_conf(
     return "\n".join(
         [
             f"# mosquitto configuration for Nestling fleet {fleet!r}, written by `nestling broker-config`.",
-            "# Every client must present a certificate signed by tls/ca.crt AND a username/password.",
+            "# Every client must present a certificate signed by tls/ca.crt; its common name IS its broker user",
+            "# (use_identity_as_username), so the ACL below applies to the certificate's owner whatever",
+            "# username a client claims: another board's password with this board's certificate buys nothing.",
             "per_listener_settings false",
             "allow_anonymous false",
-            f"password_file {files.password_file}",
             f"acl_file {files.acl_file}",
             "# Chunked transfers keep packets small; this only bounds an unchunked message.",
             f"max_packet_size {max_bytes + _PACKET_OVERHEAD}",
@@ -207,10 +212,69 @@ def _mosquitto_conf(
             f"certfile {files.server_cert}",
             f"keyfile {files.server_key}",
             "require_certificate true",
+            "use_identity_as_username true",
             "tls_version tlsv1.2",
             "",
         ]
     )
+
+
+def _broker_account(user: str) -> tuple[int, int] | None:
+    """(uid, gid) of the account mosquitto drops to when started as root, if it exists here."""
+    try:
+        account = pwd.getpwnam(user)
+    except KeyError:
+        return None
+    return account.pw_uid, account.pw_gid
+
+
+def _unreachable_ancestors(path: Path) -> list[Path]:
+    """Folders above `path` that an unprivileged broker account cannot pass through (no o+x)."""
+    return [parent for parent in [path, *path.parents] if not os.stat(parent).st_mode & 0o001]
+
+
+def _grant_broker_access(files: BrokerConfigFiles, broker_user: str) -> None:
+    """Let the account mosquitto drops to read what it must (server key) and write its persistence folder.
+
+    Started as root (by hand or by Debian's mosquitto.service), mosquitto switches to `broker_user` before it
+    opens the key and the persistence database; the key stays unreadable to everyone else (0640 root:group).
+    Where this process cannot change ownership, the exact commands go into `files.notes`.
+    """
+    account = _broker_account(broker_user)
+    data_dir = files.out_dir / "data"
+    if account is None:
+        files.notes.append(f"no '{broker_user}' account here: run mosquitto as the user that owns {files.out_dir}")
+        return
+    uid, gid = account
+    group = grp.getgrgid(gid).gr_name
+    if os.geteuid() == 0:
+        os.chown(files.server_key, 0, gid)
+        os.chmod(files.server_key, 0o640)
+        os.chown(data_dir, uid, gid)
+        os.chmod(data_dir, 0o700)
+    elif os.geteuid() != uid:
+        files.notes.append(
+            f"as root: chgrp {group} {files.server_key} && chmod 0640 {files.server_key} && "
+            f"chown {broker_user}:{group} {data_dir}"
+        )
+    blocked = _unreachable_ancestors(files.out_dir)
+    if blocked and os.geteuid() != uid:
+        files.notes.append(
+            f"mosquitto runs as '{broker_user}' and cannot enter {', '.join(map(str, blocked))}: "
+            f"chmod o+x {' '.join(map(str, blocked))} (or write the config under /etc/mosquitto)"
+        )
+
+
+def _service_dropin(config: Path) -> str:
+    """A drop-in for Debian's mosquitto.service that starts the broker on this fleet's config."""
+    return "\n".join([
+        "# Copy to /etc/systemd/system/mosquitto.service.d/nestling.conf, then:",
+        "#   systemctl daemon-reload && systemctl restart mosquitto",
+        "[Service]",
+        "ExecStart=",
+        f"ExecStart=/usr/sbin/mosquitto -c {config}",
+        "",
+    ])
 
 
 def _credentials(
@@ -246,11 +310,14 @@ def write_broker_config(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     cert_days: int = 825,
     overwrite: bool = False,
+    broker_user: str = "mosquitto",
 ) -> BrokerConfigFiles:
     """Write mosquitto.conf, passwd, acl, a CA with server and client certificates, and credentials files.
 
     `hosts` are extra names/addresses of the broker for its certificate (localhost and 127.0.0.1 are
-    always there); the first one goes into the credentials' broker URL.
+    always there); the first one goes into the credentials' broker URL. `broker_user` is the account
+    mosquitto drops to when started as root (Debian's: `mosquitto`); it gets read access to the server key
+    and owns the persistence folder, nothing else.
     """
     topics = FleetTopics(validate_id(fleet, "fleet"))
     validate_id(server_user, "server user")
@@ -300,6 +367,9 @@ def write_broker_config(
     _write(files.acl_file, _acl(topics, server_user, device_ids))
     (out_dir / "data").mkdir(exist_ok=True)
     _write(files.config, _mosquitto_conf(files, fleet, port, bind_address, max_message_bytes))
+    files.service_dropin = _write(out_dir / "systemd" / "mosquitto.service.d" / "nestling.conf",
+                                  _service_dropin(files.config))
+    _grant_broker_access(files, broker_user)
     return files
 
 
@@ -332,6 +402,8 @@ def broker_config_main(argv: list[str]) -> int:
     parser.add_argument("--bind", default=None, help="address the listener binds to (default: all)")
     parser.add_argument("--server-user", default="nestling-server", help="username of the coordinator")
     parser.add_argument("--force", action="store_true", help="replace an existing config in --out")
+    parser.add_argument("--broker-user", default="mosquitto",
+                        help="account mosquitto drops to when started as root (default: mosquitto)")
     args = parser.parse_args(argv)
     files = write_broker_config(
         args.fleet,
@@ -342,14 +414,18 @@ def broker_config_main(argv: list[str]) -> int:
         bind_address=args.bind,
         server_user=args.server_user,
         overwrite=args.force,
+        broker_user=args.broker_user,
     )
     print(f"mosquitto config for fleet {args.fleet!r} in {files.out_dir}:")
     print(f"  config       {files.config}")
-    print(f"  passwords    {files.password_file} (0600)")
+    print(f"  passwords    {files.password_file} (0600; the TLS listener authenticates by certificate)")
     print(f"  acl          {files.acl_file}")
     print(
         f"  tls          {files.ca_cert.parent} (CA, server and {len(files.credentials)} client certificates)"
     )
     print(f"  credentials  {len(files.credentials)} files in {files.out_dir / 'credentials'} (0600)")
-    print(f"run: mosquitto -c {files.config}")
+    print(f"  service      {files.service_dropin} (drop-in for Debian's mosquitto.service)")
+    for note in files.notes:
+        print(f"note: {note}")
+    print(f"run: mosquitto -c {files.config}   (as root it drops to '{args.broker_user}')")
     return 0

@@ -154,14 +154,34 @@ def run_fleet(cfg: FleetConfig, *, resume: bool = False,
     return summary
 
 
+def _install_service(config: Path, out: Path, user: str | None) -> int:
+    """Write the server's systemd unit, refusing a config that would fail at boot."""
+    from nestling.server.service import UNIT_NAME, write_unit
+
+    try:
+        load_fleet_config(config)
+    except NestlingError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    path = write_unit(config, out, user=user)
+    print(f"wrote {path}\nenable it: sudo systemctl daemon-reload && sudo systemctl enable --now {UNIT_NAME}")
+    return 0
+
+
 def server_main(argv: list[str]) -> int:
-    """`nestling server --config fleet.toml [--resume]`."""
+    """`nestling server --config fleet.toml [--resume]` | `nestling server install-service --config fleet.toml`."""
     parser = argparse.ArgumentParser(prog="nestling server", description="Coordinate a fleet of agents over MQTT.")
+    parser.add_argument("action", nargs="?", choices=("run", "install-service"), default="run")
     parser.add_argument("--config", type=Path, required=True, help="fleet.toml (see examples/fleet.toml)")
     parser.add_argument("--resume", action="store_true", help="continue after the newest complete checkpoint")
+    parser.add_argument("--out", type=Path, default=Path("/etc/systemd/system"),
+                        help="install-service: where to write nestling-server.service (default /etc/systemd/system)")
+    parser.add_argument("--user", default=None, help="install-service: account the server runs as (default: you)")
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.action == "install-service":
+        return _install_service(args.config, args.out, args.user)
     try:
         summary = run_fleet(load_fleet_config(args.config), resume=args.resume)
     except NestlingError as exc:

@@ -2,6 +2,7 @@
 
 import base64
 import hashlib
+import os
 import queue
 import shutil
 import stat
@@ -14,8 +15,14 @@ from cryptography import x509
 from nestling.errors import ConfigError
 from nestling.wire.client import TlsFiles, connect_and_wait, make_client, read_credentials
 from nestling.wire.topics import QOS, FleetTopics
-from nestling.server.broker import find_free_port, mosquitto_binary, start_mosquitto
-from nestling.server.broker_config import broker_config_main, mosquitto_password_hash, write_broker_config
+from nestling.server.broker import find_free_port, mosquitto_binary, start_mosquitto, wait_for_port
+from nestling.server.broker_config import (
+    _broker_account,
+    broker_config_main,
+    mosquitto_password_hash,
+    write_broker_config,
+)
+from tests.server.broker_folders import broker_folder
 
 needs_mosquitto = pytest.mark.skipif(
     mosquitto_binary() is None, reason="mosquitto is not installed (apt-get install mosquitto)"
@@ -25,14 +32,18 @@ needs_mosquitto = pytest.mark.skipif(
 def test_files_are_written_with_secrets_private(tmp_path):
     files = write_broker_config("lab", 3, tmp_path / "fleet", 18883)
     assert sorted(files.credentials) == ["device-000", "device-001", "device-002", "nestling-server"]
-    private = [files.password_file, files.server_key, *files.credentials.values()]
+    private = [files.password_file, *files.credentials.values(), files.ca_cert.parent / "ca.key"]
     private += list((tmp_path / "fleet" / "tls" / "clients").glob("*.key"))
     for path in private:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    # The broker's own key: readable by the account mosquitto drops to (when there is one), by nobody else.
+    assert stat.S_IMODE(files.server_key.stat().st_mode) in (0o600, 0o640)
+    assert not files.server_key.stat().st_mode & 0o007
     config = files.config.read_text()
     for line in (
         "allow_anonymous false",
         "require_certificate true",
+        "use_identity_as_username true",
         "listener 18883",
         "set_tcp_nodelay true",
     ):
@@ -129,21 +140,20 @@ def secured_fleet(tmp_path_factory):
     if mosquitto_binary() is None:
         pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
     port = find_free_port()
-    files = write_broker_config(
-        "sec", ["a", "b"], tmp_path_factory.mktemp("fleet"), port, bind_address="127.0.0.1"
-    )
+    files = write_broker_config("sec", ["a", "b"], broker_folder(), port, bind_address="127.0.0.1")
     process = start_mosquitto(files.config, port)
     yield files, port
     process.terminate()
     process.wait(10)
 
 
-def tls_client(files, user: str, port: int, *, password: str | None = None, subscribe: tuple = ()) -> tuple:
-    """A client logged in as `user` over TLS (optionally with a wrong password), with an inbox."""
+def tls_client(files, user: str, port: int, *, password: str | None = None, subscribe: tuple = (),
+               username: str | None = None) -> tuple:
+    """A client with `user`'s certificate over TLS (optionally claiming another username/password), with an inbox."""
     credentials = read_credentials(files.credentials[user])
     client = make_client(
         f"{user}-{time.monotonic_ns()}",
-        username=user,
+        username=username or user,
         password=password or credentials.password,
         tls=credentials.tls,
     )
@@ -197,13 +207,74 @@ def test_tls_without_a_client_certificate_is_refused(secured_fleet):
     anonymous_tls.loop_stop()
 
 
+def test_root_hands_the_broker_account_its_key_and_data_but_nothing_else(tmp_path):
+    account = _broker_account("mosquitto")
+    if os.geteuid() != 0 or account is None:
+        pytest.skip("needs root and Debian's mosquitto account")
+    files = write_broker_config("lab", 2, tmp_path / "fleet", 18883)
+    uid, gid = account
+    key = files.server_key.stat()
+    assert (key.st_uid, key.st_gid, stat.S_IMODE(key.st_mode)) == (0, gid, 0o640)
+    data = (files.out_dir / "data").stat()
+    assert (data.st_uid, stat.S_IMODE(data.st_mode)) == (uid, 0o700)
+    for secret in [files.password_file, files.ca_cert.parent / "ca.key", *files.credentials.values()]:
+        assert secret.stat().st_gid != gid or not secret.stat().st_mode & 0o040, secret
+    # pytest's folders are 0700 root: the broker account could not enter them, and the CLI says so.
+    assert any("cannot enter" in note for note in files.notes)
+    assert "ExecStart=/usr/sbin/mosquitto -c " + str(files.config) in files.service_dropin.read_text()
+
+
 @pytest.mark.mosquitto
-def test_wrong_password_is_refused_and_right_one_accepted(secured_fleet):
+def test_the_documented_command_runs_as_root_without_extra_config():
+    """`mosquitto -c mosquitto.conf` as written: as root it drops to its own account and still serves."""
+    if mosquitto_binary() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    port = find_free_port()
+    files = write_broker_config("doc", ["a"], broker_folder(), port, bind_address="127.0.0.1")
+    assert "user " not in files.config.read_text()
+    assert files.notes == [] or os.geteuid() != 0
+    process = subprocess.Popen([mosquitto_binary(), "-c", str(files.config)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    try:
+        assert wait_for_port("127.0.0.1", port, 10), process.stdout.read1().decode() if process.poll() else ""
+        client, _ = tls_client(files, "a", port)
+        close(client)
+        assert process.poll() is None
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=10)[0].decode(errors="replace")
+    assert "Error" not in output, output
+
+
+@pytest.mark.mosquitto
+def test_another_devices_password_with_my_certificate_does_not_make_me_that_device(secured_fleet):
+    """The certificate is the identity: claiming b's username and password with a's certificate is still a."""
     files, port = secured_fleet
-    with pytest.raises(ConfigError, match="refused the connection"):
-        tls_client(files, "a", port, password="not-the-password")
-    client, _ = tls_client(files, "a", port)
-    close(client)
+    topics = FleetTopics("sec")
+    server, server_inbox = tls_client(files, "nestling-server", port, subscribe=(topics.everything,))
+    password_b = read_credentials(files.credentials["b"]).password
+    impostor, _ = tls_client(files, "a", port, username="b", password=password_b)
+    try:
+        impostor.publish(topics.result("b"), b"forged as b", qos=QOS).wait_for_publish(5)
+        impostor.publish(topics.result("a"), b"a's own result", qos=QOS).wait_for_publish(5)
+        assert received(server_inbox, 2.0) == [(topics.result("a"), b"a's own result")]
+    finally:
+        close(server, impostor)
+
+
+@pytest.mark.mosquitto
+def test_each_device_connects_with_its_own_certificate(secured_fleet):
+    files, port = secured_fleet
+    topics = FleetTopics("sec")
+    server, server_inbox = tls_client(files, "nestling-server", port, subscribe=(topics.everything,))
+    device_a, _ = tls_client(files, "a", port)
+    device_b, _ = tls_client(files, "b", port)
+    try:
+        device_a.publish(topics.result("a"), b"from a", qos=QOS).wait_for_publish(5)
+        device_b.publish(topics.result("b"), b"from b", qos=QOS).wait_for_publish(5)
+        assert sorted(received(server_inbox, 2.0)) == [(topics.result("a"), b"from a"), (topics.result("b"), b"from b")]
+    finally:
+        close(server, device_a, device_b)
 
 
 @pytest.mark.mosquitto

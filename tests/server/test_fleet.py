@@ -10,6 +10,7 @@ from nestling.server.broker import EmbeddedBroker, find_free_port, mosquitto_bin
 from nestling.server.broker_config import write_broker_config
 from nestling.server.fleet import run_fleet
 from nestling.server.fleet_config import load_fleet_config
+from tests.server.broker_folders import broker_folder
 from tests.server.fleet_harness import fleet_toml, metrics, start_agents, stop_all
 
 AGENTS = 5
@@ -70,7 +71,7 @@ def test_server_and_five_agents_complete_three_rounds_on_mosquitto(tmp_path):
 @pytest.mark.skipif(mosquitto_binary() is None, reason="mosquitto is not installed (apt-get install mosquitto)")
 def test_a_fleet_runs_over_tls_with_the_generated_broker_config(tmp_path):
     port = find_free_port()
-    files = write_broker_config("secure", ["dev-0", "dev-1"], tmp_path / "broker", port)
+    files = write_broker_config("secure", ["dev-0", "dev-1"], broker_folder(), port)
     broker = start_mosquitto(files.config, port)
     config = tmp_path / "fleet.toml"
     # the url comes from the credentials file (mqtts://localhost:<port>, checked against the broker's certificate)
