@@ -47,4 +47,4 @@ def task_precision(hp: dict[str, Any], device: torch.device | str) -> Iterator[N
 def apply_memory_format(model: nn.Module, hp: dict[str, Any]) -> None:
     """Store a built model's weights as NHWC when the task asks for channels-last."""
     if hp.get("channels_last"):
-        model.to(memory_format=torch.channels_last)
+        model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # missing from torch's stubs

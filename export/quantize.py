@@ -47,7 +47,7 @@ class Int8Options:
         }
 
 
-class _Reader(CalibrationDataReader):  # type: ignore[misc]
+class _Reader(CalibrationDataReader):
     """Feeds the calibration batches to onnxruntime's calibrator, once."""
 
     def __init__(self, batches: CalibrationBatches, input_name: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import TracebackType
+
 from typing import Any
 
 from rich.console import Console
@@ -26,8 +28,9 @@ class RoundProgress:
         self.task_id = self.progress.add_task(self.title, total=self.rounds, status="")
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.progress.__exit__(exc_type, exc, traceback)
 
     def update(self, record: Any) -> None:
         status = ""

@@ -157,8 +157,10 @@ def _device_ids(devices: int | list[str], server_user: str) -> list[str]:
             raise ConfigError(f"--devices must be at least 1, got {devices}")
         width = max(3, len(str(devices - 1)))
         ids = [f"device-{i:0{width}d}" for i in range(devices)]
-    else:
+    elif isinstance(devices, list):
         ids = [validate_id(d, "device id") for d in devices]
+    else:
+        raise ConfigError(f"devices must be a count or a list of ids, got {devices!r}")
     duplicates = sorted({d for d in ids if ids.count(d) > 1})
     if duplicates or not ids:
         raise ConfigError(

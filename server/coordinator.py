@@ -109,7 +109,7 @@ class Coordinator:
         pool = sorted(available, key=lambda d: d.device_id)
         count = min(len(pool), math.ceil(self.needed() * self.policy.over_selection))
         rng = np.random.default_rng([self.policy.seed, round_index, 0x5E1EC7])
-        picked = rng.choice(len(pool), size=count, replace=False) if count else []
+        picked: list[int] = rng.choice(len(pool), size=count, replace=False).tolist() if count else []
         return [pool[i] for i in sorted(int(p) for p in picked)]
 
     # -- one round -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import torch
@@ -23,6 +23,7 @@ from nestling.edge.procedures.common import batches, make_optimizer
 from nestling.edge.trainer import run_task, task_generator
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
+from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
 from nestling.simulator.grouped import GroupedClients, groupable, per_client_clip, per_client_cross_entropy
@@ -157,7 +158,7 @@ def _train_grouped(
     device: torch.device | str,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[float]]]:
     """One grouped network of all clients; torch.optim.SGD on it is each client's own SGD."""
-    group = GroupedClients(template, [t.weights for t in tasks])
+    group = GroupedClients(cast(ScalableNet, template), [t.weights for t in tasks])
     net = group.net.to(device)
     apply_memory_format(net, hp)
     net.train()

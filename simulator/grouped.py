@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,8 +52,9 @@ class GroupedLinear(nn.Module):
 
 def _broadcast_step(module: nn.Module, _inputs: object) -> None:
     """Before each forward: the block's per-client step sizes, repeated over each client's channels."""
-    grouped: torch.Tensor = module.step_grouped
-    channels = module.step_channels
+    grouped = module.step_grouped
+    channels = cast(torch.Tensor, module.step_channels)  # a buffer of per-client channel counts
+    assert isinstance(grouped, torch.Tensor)
     module.step = grouped.repeat_interleave(channels).view(1, -1, 1, 1)
 
 
@@ -110,8 +113,10 @@ class GroupedClients:
             return torch.cat([s[prefix + key] for s in states], dim=0)
 
         if isinstance(module, SlimConv2d):
-            conv = nn.Conv2d(module.in_channels * self.k, module.out_channels * self.k, module.kernel_size,
-                             module.stride, module.padding, module.dilation, module.groups * self.k,
+            pair = tuple[int, int]
+            conv = nn.Conv2d(module.in_channels * self.k, module.out_channels * self.k,
+                             cast(pair, module.kernel_size), cast(pair, module.stride),
+                             cast("str | pair", module.padding), cast(pair, module.dilation), module.groups * self.k,
                              bias=module.bias is not None)
             with torch.no_grad():
                 conv.weight.copy_(stacked("weight"))
@@ -131,6 +136,7 @@ class GroupedClients:
                 counts = {int(s[prefix + "num_batches_tracked"]) for s in states}
                 if len(counts) != 1:
                     raise NotGroupable("clients' BatchNorm counters differ")
+                assert norm.num_batches_tracked is not None
                 norm.num_batches_tracked.fill_(counts.pop())
                 self.slots[prefix + "num_batches_tracked"] = _Slot(prefix + "num_batches_tracked", "count")
             return norm

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ def depthfl_kd_weight(round_index: int, ramp_rounds: int = 300) -> float:
 def depthfl_loss(outputs: list[torch.Tensor], y: torch.Tensor, kd_weight: float, use_kd: bool = True) -> torch.Tensor:
     """Σ_i CE(z_i, y) + (w/(d−1)) Σ_{j≠i} KL(softmax(z_j).detach() ‖ softmax(z_i)), T = 1, batch-mean KL."""
     d = len(outputs)
-    loss = sum(F.cross_entropy(z, y) for z in outputs)
+    loss = cast(torch.Tensor, sum(F.cross_entropy(z, y) for z in outputs))
     if use_kd and d > 1:
         log_probs = [F.log_softmax(z, dim=1) for z in outputs]
         targets = [F.softmax(z.detach(), dim=1) for z in outputs]

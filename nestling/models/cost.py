@@ -21,7 +21,7 @@ def count_macs(model: ScalableNet, input_shape: tuple[int, int, int]) -> int:
         nonlocal total
         x = inputs[0]
         groups = x.shape[1] if getattr(module, "depthwise", False) else 1
-        kernel = module.kernel_size[0] * module.kernel_size[1]  # type: ignore[index]
+        kernel = int(module.kernel_size[0] * module.kernel_size[1])  # type: ignore[index]
         total += output.numel() // output.shape[0] * (x.shape[1] // groups) * kernel
 
     def linear_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
@@ -33,7 +33,7 @@ def count_macs(model: ScalableNet, input_shape: tuple[int, int, int]) -> int:
         x = inputs[0]
         if x.dim() == 3 and hasattr(module, "q"):
             tokens = x.shape[1]
-            inner = module.q.out_features  # type: ignore[union-attr]
+            inner = int(module.q.out_features)  # type: ignore[union-attr, arg-type]
             total += 2 * tokens * tokens * inner  # QKᵀ and attention × V
 
     handles = []

@@ -145,11 +145,14 @@ class SlimBatchNorm2d(nn.BatchNorm2d):
             level = self.active_level if self.active_level is not None else self._default_level()
             mean = getattr(self, f"running_mean_w{level}")
             var = getattr(self, f"running_var_w{level}")
+            # Per-width statistics use a fixed momentum (FjORD): a cumulative average has no per-width counter.
+            assert self.momentum is not None, "per-width BN statistics need a momentum"
             return F.batch_norm(x, mean, var, weight, bias, self.training, self.momentum, self.eps)
         if self.stats == "batch" or not self.track_running_stats:
             return F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         if n == self.num_features:
             return super().forward(x)
+        assert self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None
         mean = self.running_mean[:n]
         var = self.running_var[:n]
         if self.training:

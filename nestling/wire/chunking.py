@@ -15,7 +15,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from nestling.errors import ConfigError, WireError
 from nestling.wire.codec import (
@@ -93,7 +93,7 @@ def _chunk_layout(header: dict[str, Any], body_length: int) -> tuple[str, int, i
         raise WireError(
             f"chunk of transfer {transfer_id}: index/count/chunk_size/total_length must be integers >= 0"
         )
-    index, count, chunk_size, total_length = values
+    index, count, chunk_size, total_length = cast(list[int], values)  # checked to be ints above
     payload_sha256 = header.get("payload_sha256")
     if not isinstance(payload_sha256, str) or re.fullmatch(r"[0-9a-f]{64}", payload_sha256) is None:
         raise WireError(f"chunk of transfer {transfer_id}: payload_sha256 must be 64 hex digits")

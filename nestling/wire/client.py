@@ -8,6 +8,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -151,7 +152,9 @@ def connect_and_wait(client: mqtt.Client, host: str, port: int, *, timeout_s: fl
     """Connect, start the network thread and return once the broker accepted us (ConfigError if not)."""
     answered = threading.Event()
     outcome: list[str] = []
-    previous_connect, previous_disconnect = client.on_connect, client.on_disconnect
+    # paho types each callback slot as a union of API versions; these are the VERSION2 ones set by make_client.
+    previous_connect: Callable[..., None] | None = client.on_connect
+    previous_disconnect: Callable[..., None] | None = client.on_disconnect
 
     def on_connect(cl: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         outcome.append(f"refused the connection: {reason}" if reason.is_failure else "")

@@ -80,7 +80,7 @@ class HeteroFL(Strategy):
             hp["label_set"] = list(device.labels)
         return hp
 
-    def contributions(self, accepted: list[tuple[Task, Result]], keys: set[str] | None = None):  # type: ignore[override]
+    def contributions(self, accepted: list[tuple[Task, Result]], keys: set[str] | None = None):
         out = super().contributions(accepted, keys)
         if not self.options["masked_ce"]:
             return out
