@@ -162,7 +162,7 @@ def cluster_budget_fractions(budgets: Sequence[int], levels: int, full_bytes: in
         smallest = min(b for b, lab in zip(budgets, labels) if lab == cluster)
         if smallest < full_bytes:
             fractions.add(round(smallest / full_bytes, 6))
-    return sorted(fractions) + [1.0]
+    return [*sorted(fractions), 1.0]
 
 
 def assign_levels(level_specs: Sequence[SubmodelSpec], devices: Sequence[DeviceBudget], batch: int, *,
@@ -216,7 +216,7 @@ def scalefl_level_specs(model: ModelConfig, levels: Sequence[MemoryLevel]) -> li
     config = model.with_(exit_points=tuple(level.depth - 1 for level in levels))
     specs = [SubmodelSpec(config, width=level.width, depth=level.depth, exits=config.exit_points[: i + 1], head=False)
              for i, level in enumerate(levels)]
-    return specs + [SubmodelSpec(config, exits=config.exit_points)]
+    return [*specs, SubmodelSpec(config, exits=config.exit_points)]
 
 
 def plan_depthwise(costs: DepthCosts, full_cost: ModelCost, devices: Sequence[DeviceBudget], *,

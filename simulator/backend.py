@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import multiprocessing as mp
 import os
 from collections.abc import Callable
@@ -71,10 +73,8 @@ def single_thread() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     if torch.get_num_interop_threads() != 1:
-        try:
+        with contextlib.suppress(RuntimeError):  # already fixed once work ran in this process
             torch.set_num_interop_threads(1)
-        except RuntimeError:  # already fixed once work ran in this process
-            pass
 
 
 def task_cost(task: Task, num_samples: int) -> float:

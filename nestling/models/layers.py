@@ -21,7 +21,7 @@ def kept_channels(global_channels: int, ratio: float, rounding: str = "ceil") ->
     product = global_channels * ratio
     # Guard against float noise such as 64*0.75000000001: round to 9 decimals before ceil/floor.
     product = round(product, 9)
-    count = math.ceil(product) if rounding == "ceil" else int(math.floor(product))
+    count = math.ceil(product) if rounding == "ceil" else math.floor(product)
     return max(1, min(global_channels, count))
 
 

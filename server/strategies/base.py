@@ -100,7 +100,7 @@ class Strategy(ABC):
     def make_model_config(self) -> ModelConfig:
         return self.ctx.model_config()
 
-    def setup(self) -> None:
+    def setup(self) -> None:  # noqa: B027 - an optional hook: most strategies need no extra state
         """Method-specific state built after the global model exists."""
 
     @abstractmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Any, ClassVar
 
 import torch
@@ -17,7 +19,7 @@ from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 def stage_ends(arch: str, image_size: int, extra: dict | None = None) -> list[int]:
     """Index one past the last block of every stage."""
     infos = block_infos(arch, image_size, extra)
-    return [b.index for a, b in zip(infos, infos[1:]) if b.stage != a.stage] + [len(infos)]
+    return [b.index for a, b in itertools.pairwise(infos) if b.stage != a.stage] + [len(infos)]
 
 
 class DepthFL(Strategy):

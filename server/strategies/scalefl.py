@@ -45,9 +45,9 @@ class ScaleFL(Strategy):
 
     def setup(self) -> None:
         self.specs: list[SubmodelSpec] = []
-        for l, level in enumerate(self.levels):
-            last = l == len(self.levels) - 1
-            exits = self.model.exit_points[: l + (0 if last else 1)]
+        for position, level in enumerate(self.levels):
+            last = position == len(self.levels) - 1
+            exits = self.model.exit_points[: position + (0 if last else 1)]
             self.specs.append(SubmodelSpec(self.model, width=level.width, depth=None if last else level.depth,
                                            exits=exits, head=last))
         order = np.random.default_rng(self.ctx.seed).permutation(self.ctx.num_clients)
@@ -66,4 +66,4 @@ class ScaleFL(Strategy):
         return hp
 
     def eval_targets(self) -> list[EvalTarget]:
-        return [EvalTarget(f"L{l + 1}", spec, self.task_weights(spec)) for l, spec in enumerate(self.specs)]
+        return [EvalTarget(f"L{n}", spec, self.task_weights(spec)) for n, spec in enumerate(self.specs, start=1)]

@@ -48,7 +48,7 @@ def search_levels(model: ModelConfig, fractions: tuple[float, ...], *, num_block
                   tolerance: float = 0.05) -> list[Level]:
     """Levels smallest first; the last fraction must be 1 (the full model). Cost = #params incl. kept exits."""
     probe = model.with_(exit_points=tuple(range(num_blocks)))
-    widths = [round(step * i, 4) for i in range(1, int(round(1 / step)) + 1)]
+    widths = [round(step * i, 4) for i in range(1, round(1 / step) + 1)]
     stem, blocks, exits, head = _group_params(probe, 1.0)
     levels: list[Level] = []
     chosen_exits: list[int] = []

@@ -65,9 +65,8 @@ def test_bf16_local_training_follows_fp32_training() -> None:
 
 
 def test_unknown_precision_is_refused_with_the_allowed_values() -> None:
-    with pytest.raises(ConfigError, match="precision must be one of fp32, bf16"):
-        with task_precision({"precision": "fp16"}, "cpu"):
-            pass
+    with pytest.raises(ConfigError, match="precision must be one of fp32, bf16"), task_precision({"precision": "fp16"}, "cpu"):
+        pass
     with pytest.raises(ConfigError, match="precision must be one of fp32, bf16"):
         load_config(None, {"train.precision": "int4"})
 

@@ -24,7 +24,7 @@ def test_client_term_starts_at_zero_and_updates_h() -> None:
             p.add_(1.0)
     assert float(dyn.penalty()) > 0.0
     dyn.finish()
-    for name, h in store[STORE_KEY].items():
+    for h in store[STORE_KEY].values():
         assert torch.allclose(h, torch.full_like(h, -0.1))  # h ← 0 − α(θ − θ_g) with θ − θ_g = 1
     again = FedDynTerm(model, store, alpha=0.1)  # the next participation starts from the stored h
     assert all(torch.equal(again.h[n], store[STORE_KEY][n]) for n in again.h)
