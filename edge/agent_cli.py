@@ -117,7 +117,8 @@ def agent_main(argv: list[str]) -> int:
     parser.add_argument("--emulate-device", metavar="ID", default=None, help="the trace's device_id to emulate")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        force=True)  # the top-level CLI configured WARNING already
     try:
         if args.action == "install-service":
             load_agent_config(args.config)  # refuse to install a unit that would fail at boot

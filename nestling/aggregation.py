@@ -4,16 +4,41 @@ w_e ← Σ_{k∈S_e} a_k w_{k,e} / Σ_{k∈S_e} a_k where S_e are the contributi
 elements no contribution holds keep their value. Contributions of the same submodel share one
 region, so their weighted sum is accumulated straight into the global-shaped buffer and the
 denominator is updated once per distinct region: every byte of every result is read once.
+
+Robust rules (`robust_rule("trimmed_mean" | "median")`, chosen by the coordinator from [run]
+aggregation) replace the weighted mean element by element over the contributions that hold each
+element (regions and HeteroFL row masks respected), unweighted so a claimed sample count cannot buy
+influence. Every strategy aggregates through masked_mean, so the rule reaches all of them.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 
 from nestling.slicing import Region
+
+ROBUST_RULES = ("mean", "trimmed_mean", "median")
+_RULE: ContextVar[tuple[str, float]] = ContextVar("nestling_aggregation_rule", default=("mean", 0.0))
+
+
+@contextmanager
+def robust_rule(rule: str, trim_fraction: float = 0.1) -> Iterator[None]:
+    """Aggregate with `rule` inside the block (mean: each method's own weighted masked mean)."""
+    if rule not in ROBUST_RULES:
+        raise ValueError(f"aggregation rule must be one of {ROBUST_RULES}, got {rule!r}")
+    if not 0.0 <= trim_fraction < 0.5:
+        raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+    token = _RULE.set((rule, trim_fraction))
+    try:
+        yield
+    finally:
+        _RULE.reset(token)
 
 
 @dataclass
@@ -49,6 +74,9 @@ def _aggregate_key(old: torch.Tensor, key: str, group: list[Contribution]) -> to
             region = c.regions[key]
             result[region].copy_(torch.maximum(result[region], c.tensors[key]))
         return result
+    rule, trim = _RULE.get()
+    if rule != "mean":
+        return _coordinatewise(old, key, group, rule, trim)
     acc = torch.zeros_like(old, dtype=torch.float64 if old.dtype == torch.float64 else torch.float32)
     weight_by_region: dict[tuple, float] = defaultdict(float)
     masked_count: torch.Tensor | None = None
@@ -72,3 +100,27 @@ def _aggregate_key(old: torch.Tensor, key: str, group: list[Contribution]) -> to
     result = torch.where(covered, acc / count.clamp_min(1e-12), old.to(acc.dtype))
     return result.to(old.dtype)
 
+
+
+def _coordinatewise(old: torch.Tensor, key: str, group: list[Contribution], rule: str, trim: float) -> torch.Tensor:
+    """Trimmed mean or median per element over the contributions holding it (NaN marks 'not held')."""
+    dtype = torch.float64 if old.dtype == torch.float64 else torch.float32
+    stack = torch.full((len(group), *old.shape), float("nan"), dtype=dtype)
+    for i, c in enumerate(group):
+        tensor = c.tensors[key].to(dtype)
+        mask = c.row_masks.get(key)
+        if mask is not None:
+            tensor = torch.where(mask.view(-1, *([1] * (tensor.dim() - 1))), tensor, torch.nan)
+        stack[i][c.regions[key]] = tensor
+    count = (~torch.isnan(stack)).sum(dim=0)
+    ordered = torch.sort(stack, dim=0).values  # NaN (not held) sorts last
+    position = torch.arange(len(group)).view(-1, *([1] * old.dim()))
+    if rule == "median":
+        low = ((count - 1).clamp_min(0) // 2).unsqueeze(0)
+        high = (count // 2).clamp_max(len(group) - 1).unsqueeze(0)
+        values = (ordered.gather(0, low) + ordered.gather(0, high)).squeeze(0) / 2
+    else:
+        cut = torch.floor(count.to(dtype) * trim).to(count.dtype)
+        keep = (position >= cut) & (position < count - cut)
+        values = torch.where(keep, ordered, 0).sum(dim=0) / (count - 2 * cut).clamp_min(1).to(dtype)
+    return torch.where(count > 0, values, old.to(dtype)).to(old.dtype)

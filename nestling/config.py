@@ -87,10 +87,22 @@ class RunSection:
     backend: str = "auto"  # auto (pool when workers > 1), inprocess, pool, ray
     batching: str = "off"  # train same-spec clients of a round together: off, on, auto (only when faster)
     compile: bool = False  # torch.compile client models in the simulator's workers
+    # Robustness against bad boards (server/screening.py): screening refuses non-finite updates, updates
+    # above max_update_norm and updates whose rms is over update_norm_factor x the round's median.
+    screen_updates: bool = True
+    max_update_norm: float | None = None
+    update_norm_factor: float = 10.0
+    clip_update_norm: float | None = None  # DP-FedAvg style L2 bound: larger updates are scaled down
+    aggregation: str = "mean"  # mean (each method's own), trimmed_mean or median (coordinate-wise)
+    trim_fraction: float = 0.1
+    divergence_guard: bool = True  # roll back a round that left the model non-finite or exploded
+    divergence_factor: float = 1000.0
+    quarantine_rounds: int = 3  # rounds the devices of a rolled-back round are not selected
 
 
 BACKENDS = ("auto", "inprocess", "pool", "ray")
 BATCHING = ("off", "on", "auto")
+AGGREGATIONS = ("mean", "trimmed_mean", "median")  # [run] aggregation (nestling.aggregation.robust_rule)
 PRECISIONS = ("fp32", "bf16")  # [train] precision: edge/execution.py applies it
 
 
@@ -105,7 +117,7 @@ class SimConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def validate(self) -> "SimConfig":
+    def validate(self) -> SimConfig:
         checks = [
             (self.run.rounds >= 1, "[run] rounds must be >= 1"),
             (self.data.clients >= 1, "[data] clients must be >= 1"),
@@ -120,6 +132,13 @@ class SimConfig:
             (self.run.backend in BACKENDS, f"[run] backend must be one of {', '.join(BACKENDS)}"),
             (self.run.batching in BATCHING, f"[run] batching must be one of {', '.join(BATCHING)}"),
             (self.train.precision in PRECISIONS, f"[train] precision must be one of {', '.join(PRECISIONS)}"),
+            (self.run.aggregation in AGGREGATIONS, f"[run] aggregation must be one of {', '.join(AGGREGATIONS)}"),
+            (0.0 <= self.run.trim_fraction < 0.5, "[run] trim_fraction must be in [0, 0.5)"),
+            (self.run.update_norm_factor > 1, "[run] update_norm_factor must be > 1"),
+            (self.run.max_update_norm is None or self.run.max_update_norm > 0, "[run] max_update_norm must be > 0"),
+            (self.run.clip_update_norm is None or self.run.clip_update_norm > 0, "[run] clip_update_norm must be > 0"),
+            (self.run.divergence_factor > 1, "[run] divergence_factor must be > 1"),
+            (self.run.quarantine_rounds >= 0, "[run] quarantine_rounds must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

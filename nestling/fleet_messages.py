@@ -36,10 +36,13 @@ def _short(meta: dict[str, Any], name: str) -> str:
     return value
 
 
+MAX_COUNT = 10**9  # far above any board's sample count; bounds what reaches an aggregation weight
+
+
 def _count(meta: dict[str, Any], name: str) -> int:
-    value = _require(meta, name, int, "an integer >= 0")
-    if value < 0:
-        raise WireError(f"field {name!r} must be >= 0, got {value}")
+    value = _require(meta, name, int, f"an integer in [0, {MAX_COUNT}]")
+    if not 0 <= value <= MAX_COUNT:
+        raise WireError(f"field {name!r} must be in [0, {MAX_COUNT}], got {value!r:.40}")
     return value
 
 

@@ -19,11 +19,27 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from nestling.aggregation import robust_rule
 from nestling.errors import NestlingError
 from nestling.messages import Result, Task
-from nestling.server.checkpoint import latest_checkpoint, load_checkpoint, load_checkpoint_side, save_checkpoint
+from nestling.server.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_checkpoint_side,
+    save_checkpoint,
+)
 from nestling.server.clock import Clock
 from nestling.server.evaluation import EvalResult, Evaluator
+from nestling.server.refusals import RefusalLog
+from nestling.server.screening import (
+    RobustPolicy,
+    UpdateSize,
+    absolute_reason,
+    clip_update,
+    largest_magnitude,
+    outliers,
+    update_size,
+)
 from nestling.server.strategies.base import DeviceInfo, Strategy
 from nestling.server.transport import Transport
 
@@ -42,6 +58,7 @@ class RoundPolicy:
     eval_every: int = 1
     checkpoint_every: int = 1
     seed: int = 0
+    robust: RobustPolicy = field(default_factory=RobustPolicy)
 
 
 @dataclass
@@ -64,6 +81,10 @@ class RoundRecord:
     # devices' side, without the server's selection, aggregation, evaluation and checkpoint around it.
     dispatched_at: float = 0.0
     closed_at: float = 0.0
+    # Divergence guard: the round whose aggregation was undone (this one or the previous) and the devices
+    # whose updates it applied, now skipped for [run] quarantine_rounds rounds.
+    rolled_back: int | None = None
+    quarantined: list[str] = field(default_factory=list)
 
 
 def tensor_bytes(tensors: dict) -> int:
@@ -99,6 +120,16 @@ class Coordinator:
         self.totals: Counter[str] = Counter()
         self.last_eval: list[EvalResult] = []
         self.seen_tasks: set[str] = set()
+        self.refusals = RefusalLog(log)
+        self.quarantine: dict[str, int] = {}  # device -> first round it may be selected again
+        self.quarantine_log: list[dict[str, Any]] = []  # every quarantine, for the run's summary
+        self._registered: dict[str, DeviceInfo] = {}
+        self._sizes: dict[str, UpdateSize] = {}
+        self._judged: set[str] = set()  # devices whose result reached validation this round
+        self._non_finite: set[str] = set()  # ... and of those, the ones whose tensors were NaN/Inf
+        # Divergence guard: the strategy's state before the last applied aggregation, and who it applied.
+        self._before_last: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        self._last_applied: tuple[int, list[str]] | None = None
 
     # -- selection ------------------------------------------------------------------------------
     def needed(self) -> int:
@@ -116,17 +147,28 @@ class Coordinator:
     def run_round(self, round_index: int) -> RoundRecord:
         started = time.perf_counter()
         counters: Counter[str] = Counter()
-        selected = self.select(round_index, self.transport.devices())
+        available = [d for d in self.transport.devices() if self.quarantine.get(d.device_id, -1) <= round_index]
+        selected = self.select(round_index, available)
+        self._registered = {d.device_id: d for d in selected}
+        self._sizes, self._judged, self._non_finite = {}, set(), set()
         tasks = self.strategy.assign(round_index, selected)
         dispatched_at = self.clock.now()
         self.transport.dispatch(list(tasks.values()))
         accepted, collect_seconds = self._collect(round_index, tasks, counters)
+        accepted = self._screen_round(round_index, accepted, counters)
         closed_at = self.clock.now()
         self.transport.cancel(round_index)
+        self.refusals.flush()
+        rolled_back, quarantined = self._guard_previous_round(round_index, counters)
+        if rolled_back is not None:  # these results were trained from the model just undone
+            counters["discarded_after_rollback"] += len(accepted)
+            accepted = []
         quorum = max(1, math.ceil(self.policy.quorum * min(self.needed(), len(tasks))))
         aggregated = len(accepted) >= quorum
         if aggregated:
-            self.strategy.aggregate(round_index, accepted)
+            aggregated = self._aggregate_guarded(round_index, accepted, counters)
+            if not aggregated:
+                rolled_back, quarantined = round_index, self._quarantine(round_index, accepted)
         else:
             counters["rounds_below_quorum"] += 1
             log.warning("round %d: %d results < quorum %d; global model unchanged", round_index, len(accepted), quorum)
@@ -137,7 +179,7 @@ class Coordinator:
             bytes_up=sum(tensor_bytes(r.weights) for _, r in accepted), counters=dict(counters),
             local_train_seconds=sum(float(r.metrics.get("train_seconds", 0.0)) for _, r in accepted),
             train_loss=_mean([r.metrics.get("loss_mean") for _, r in accepted]),
-            dispatched_at=dispatched_at, closed_at=closed_at)
+            dispatched_at=dispatched_at, closed_at=closed_at, rolled_back=rolled_back, quarantined=quarantined)
         if self._is_eval_round(round_index):
             self.last_eval = self.evaluator.evaluate_all(self.strategy.eval_targets()) if self.evaluator else []
             record.submodels = [asdict(e) for e in self.last_eval]
@@ -163,9 +205,15 @@ class Coordinator:
             for _, reason in delivery.rejected:
                 counters[f"rejected_{reason}"] += 1
             for result in delivery.results:
-                verdict = self._admit(round_index, by_task, result)
+                try:
+                    verdict = self._admit(round_index, by_task, result)
+                except Exception as exc:  # one device's result must never stop the round
+                    self.refusals.refuse(round_index, str(result.device_id), "rejected_error", repr(exc)[:200])
+                    verdict = "rejected_error"
                 if verdict:
                     counters[verdict] += 1
+                    if verdict.startswith("rejected_") and hasattr(self.transport, "reopen"):
+                        self.transport.reopen(result.task_id)  # a corrected result is still welcome
                     continue
                 if len(accepted) >= want:
                     counters["late"] += 1
@@ -177,6 +225,8 @@ class Coordinator:
 
     def _admit(self, round_index: int, by_task: dict[str, Task], result: Result) -> str | None:
         """None when the result may be applied, else the counter naming why it was refused."""
+        if result.round > round_index:
+            return "future"
         if result.round != round_index:
             return "stale"
         if result.task_id in self.seen_tasks:
@@ -184,13 +234,111 @@ class Coordinator:
         task = by_task.get(result.task_id)
         if task is None or task.device_id != result.device_id:
             return "unknown_task"
+        # Refusals below do not use up the task: a corrected result from the same device is still accepted.
+        self._judged.add(result.device_id)
         try:
             self.strategy.validate(task, result)
         except NestlingError as exc:
-            log.warning("round %d: rejected result of %s: %s", round_index, result.device_id, exc)
+            if _has_non_finite(result.weights):
+                self._non_finite.add(result.device_id)
+            self.refusals.refuse(round_index, result.device_id, "rejected_invalid", str(exc))
             return "rejected_invalid"
+        registered = self._registered.get(result.device_id)
+        if registered is not None and result.num_samples > registered.num_samples:
+            self.refusals.refuse(round_index, result.device_id, "rejected_num_samples",
+                                 f"claims {result.num_samples} samples, registered {registered.num_samples}")
+            return "rejected_num_samples"
+        if self.policy.robust.screen_updates:
+            size = update_size(task, result)
+            reason = absolute_reason(size, self.policy.robust)
+            if reason:
+                if not math.isfinite(size.norm):
+                    self._non_finite.add(result.device_id)
+                self.refusals.refuse(round_index, result.device_id, "rejected_update_norm", reason)
+                return "rejected_update_norm"
+            self._sizes[result.task_id] = size
         self.seen_tasks.add(result.task_id)
         return None
+
+    def _screen_round(self, round_index: int, accepted: list[tuple[Task, Result]],
+                      counters: Counter[str]) -> list[tuple[Task, Result]]:
+        """Refuse updates far outside the round's distribution, then clip what remains if configured."""
+        robust = self.policy.robust
+        if robust.screen_updates and len(accepted) >= 2:
+            refused = outliers([self._sizes[r.task_id] for _, r in accepted], robust)
+            for index, reason in sorted(refused.items()):
+                device_id = accepted[index][1].device_id
+                self.refusals.refuse(round_index, device_id, "rejected_update_norm", reason)
+                counters["rejected_update_norm"] += 1
+            accepted = [pair for i, pair in enumerate(accepted) if i not in refused]
+        if robust.clip_update_norm is not None:
+            bound = robust.clip_update_norm
+            clipped = []
+            for task, result in accepted:
+                size = self._sizes.get(result.task_id) or update_size(task, result)
+                if size.norm > bound:
+                    counters["clipped"] += 1
+                clipped.append((task, clip_update(task, result, size.norm, bound)))
+            accepted = clipped
+        return accepted
+
+    # -- divergence guard ------------------------------------------------------------------------
+    def _snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return ({k: v.clone() for k, v in self.strategy.state_tensors().items()},
+                json.loads(json.dumps(self.strategy.state_meta())))
+
+    def _aggregate_guarded(self, round_index: int, accepted: list[tuple[Task, Result]],
+                           counters: Counter[str]) -> bool:
+        """Aggregate; undo it (False) when it failed or left the model non-finite or exploded."""
+        robust = self.policy.robust
+        before = self._snapshot() if robust.divergence_guard else None
+        scale_before = largest_magnitude(self.strategy.global_state) if before else 0.0
+        try:
+            with robust_rule(robust.aggregation, robust.trim_fraction):
+                self.strategy.aggregate(round_index, accepted)
+        except Exception as exc:  # a result that slipped past validation must not stop the run
+            if before is None:
+                raise
+            log.error("round %d: aggregation failed (%r); global model rolled back", round_index, exc)
+            counters["aggregation_failed"] += 1
+            self.strategy.load_state(*before)
+            return False
+        if before is None:
+            return True
+        scale_after = largest_magnitude(self.strategy.global_state)
+        if not math.isfinite(scale_after) or scale_after > robust.divergence_factor * max(scale_before, 1.0):
+            log.error("round %d: global model diverged (largest |w| %.3g -> %.3g); rolled back to the state "
+                      "before the round", round_index, scale_before, scale_after)
+            counters["rolled_back"] += 1
+            self.strategy.load_state(*before)
+            return False
+        self._before_last = before
+        self._last_applied = (round_index, [r.device_id for _, r in accepted])
+        return True
+
+    def _guard_previous_round(self, round_index: int, counters: Counter[str]) -> tuple[int | None, list[str]]:
+        """Most of this round's results non-finite: the previous aggregation poisoned the model; undo it."""
+        if self._before_last is None or self._last_applied is None or self._last_applied[0] != round_index - 1:
+            return None, []
+        if not self._non_finite or len(self._non_finite) * 2 <= len(self._judged):
+            return None, []
+        previous, devices = self._last_applied
+        log.error("round %d: most results are non-finite; rolling back round %d and quarantining %s",
+                  round_index, previous, ", ".join(devices))
+        counters["rolled_back"] += 1
+        self.strategy.load_state(*self._before_last)
+        self._before_last = self._last_applied = None
+        return previous, self._quarantine(round_index, [], devices)
+
+    def _quarantine(self, round_index: int, accepted: list[tuple[Task, Result]],
+                    devices: list[str] | None = None) -> list[str]:
+        names = sorted(devices if devices is not None else {r.device_id for _, r in accepted})
+        until = round_index + 1 + self.policy.robust.quarantine_rounds
+        for name in names:
+            self.quarantine[name] = until
+        if names:
+            self.quarantine_log.append({"round": round_index, "devices": names, "until_round": until})
+        return names
 
     def _is_eval_round(self, round_index: int) -> bool:
         last = round_index == self.policy.rounds - 1
@@ -236,6 +384,13 @@ class Coordinator:
 
     def run(self) -> list[RoundRecord]:
         return [self.run_round(r) for r in range(self.start_round, self.policy.rounds)]
+
+
+def _has_non_finite(tensors: dict[str, torch.Tensor]) -> bool:
+    try:
+        return any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values())
+    except (TypeError, AttributeError, RuntimeError):
+        return False
 
 
 def _mean(values: list[Any]) -> float | None:

@@ -15,18 +15,19 @@ import torch
 from nestling.data import load_dataset
 from nestling.errors import NestlingError
 from nestling.schedule import LrSchedule
-from nestling.wire.topics import OFFLINE, FleetTopics
 from nestling.server.checkpoint import latest_checkpoint
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundPolicy, RoundRecord
 from nestling.server.deployables import deployable_rows, deployables_table, export_orders, wants_export
 from nestling.server.evaluation import Evaluator
 from nestling.server.fleet_config import FleetConfig, load_fleet_config
-from nestling.server.run_report import plot_accuracy, read_metrics, summarise, write_summary
 from nestling.server.mqtt_transport import MqttTransport, TransportSettings
 from nestling.server.registry import DeviceRegistry, emulated_class
+from nestling.server.run_report import plot_accuracy, read_metrics, summarise, write_summary
+from nestling.server.screening import robust_policy
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import Strategy
+from nestling.wire.topics import OFFLINE, FleetTopics
 
 log = logging.getLogger("nestling.fleet")
 
@@ -103,7 +104,7 @@ def run_fleet(cfg: FleetConfig, *, resume: bool = False,
                           calibration=bundle.train.x)
     policy = RoundPolicy(rounds=run.rounds, fraction=cfg.run.train.fraction, over_selection=run.over_selection,
                          quorum=run.quorum, deadline_s=run.deadline_s, eval_every=run.eval_every,
-                         checkpoint_every=run.checkpoint_every, seed=run.seed)
+                         checkpoint_every=run.checkpoint_every, seed=run.seed, robust=robust_policy(run))
 
     def report(record: RoundRecord) -> None:
         print(round_line(record, run.rounds), flush=True)
@@ -179,7 +180,8 @@ def server_main(argv: list[str]) -> int:
     parser.add_argument("--user", default=None, help="install-service: account the server runs as (default: you)")
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        force=True)  # the top-level CLI configured WARNING already
     if args.action == "install-service":
         return _install_service(args.config, args.out, args.user)
     try:

@@ -67,10 +67,12 @@ def check_result(device_id: str, result: Result, session: str, my_session: str, 
         return "wrong_device"
     if session != my_session:
         return "stale_session"  # answers a task of a server process that no longer exists
+    if current_round is not None and result.round > current_round:
+        return "future"  # a round this server has not started: a forgery or a confused board, not an old one
     if entry is None or entry.device_id != device_id:
         return "stale" if current_round is not None and result.round < current_round - 1 else "unknown_task"
     if result.round != entry.round:
-        return "stale"
+        return "future" if result.round > entry.round else "stale"
     if entry.state == "accepted":
         return "duplicate"
     if entry.state == "cancelled":

@@ -67,6 +67,7 @@ class TransportSettings:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     stall_s: float = 1.0  # re-request a transfer's missing chunks after this long without one
+    chunk_answer_every_s: float = 0.5  # answer one device's chunk re-requests at most this often
     max_rerequests: int = 5
     transfer_ttl_s: float = 60.0
     round_min_devices: int = 1  # devices() waits for this many available devices ...
@@ -101,6 +102,7 @@ class MqttTransport:
         self._rejected: list[tuple[str, str]] = []
         self._counted = RecentKeys()
         self._rehello_at: dict[str, float] = {}
+        self._chunk_answered_at: dict[str, float] = {}  # device -> when its last chunk re-request was answered
         self._next_tick = 0.0
         self._status_sent: mqtt.MQTTMessageInfo | None = None
         self._subscribed = threading.Event()
@@ -111,7 +113,8 @@ class MqttTransport:
         client.max_inflight_messages_set(self.settings.max_inflight)  # chunks stream without waiting per ack
         client.on_connect = self._on_connect
         client.on_subscribe = lambda *_: self._subscribed.set()
-        client.on_message = lambda _c, _u, msg: self._inbox.put((msg.topic, bytes(msg.payload), clock.now()))
+        client.on_message = lambda _c, _u, msg: self._inbox.put(
+            (msg.topic, bytes(msg.payload), clock.now(), bool(msg.retain)))
 
     # -- connection (paho's thread) --------------------------------------------------------------
     def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
@@ -227,13 +230,18 @@ class MqttTransport:
                 item = None
         self._tick()
 
-    def _handle(self, topic: str, payload: bytes, arrived: float) -> None:
+    def _handle(self, topic: str, payload: bytes, arrived: float, retained: bool = False) -> None:
         device_id = "?"
         try:
             parsed = parse_topic(topic)
             if parsed.fleet != self.topics.fleet or parsed.device_id is None:
                 return
             device_id = parsed.device_id
+            if not payload:
+                return  # a cleared retained message (ours below, or a board's), nothing to act on
+            if retained:
+                self._drop_retained(topic, device_id)
+                return
             if parsed.channel == HELLO:
                 self._on_hello(device_id, payload, arrived)
             elif parsed.channel == STATUS:
@@ -247,6 +255,19 @@ class MqttTransport:
         except Exception:  # the round loop must survive anything a peer sends; the counter makes it visible
             log.exception("internal error handling a message on %r", topic)
             self._reject(device_id, "internal_error")
+
+    def _drop_retained(self, topic: str, device_id: str) -> None:
+        """A retained frame is from before this server existed: never act on it, and clear it from the
+        broker so no later server does either. The board's live messages follow soon enough."""
+        self.counters["ignored_retained"] += 1
+        log.info("ignored and cleared a retained message of %s on %s", device_id, topic)
+        self.client.publish(topic, b"", qos=QOS, retain=True)
+
+    def reopen(self, task_id: str) -> None:
+        """The coordinator refused this result for a reason the board can fix: a corrected one is welcome."""
+        entry = self._tasks.get(task_id)
+        if entry is not None and entry.state == "accepted":
+            entry.state = "pending"
 
     def _reject(self, device_id: str, reason: str, *, detail: str = "", key: str | None = None) -> None:
         if key is not None and not self._counted.add(key):
@@ -300,6 +321,13 @@ class MqttTransport:
         header = read_header(payload, max_bytes=self.settings.max_message_bytes + RESULT_SLACK_BYTES)
         kind = header["kind"]
         if kind == CHUNK_REQUEST_KIND:  # the device lost chunks of its task (or of its export order)
+            now = time.monotonic()
+            if now - self._chunk_answered_at.get(device_id, -1e9) < self.settings.chunk_answer_every_s:
+                self.counters["chunk_requests_throttled"] += 1  # a board asking in a loop must not flood the link
+                return
+            if len(self._chunk_answered_at) > 10_000:
+                self._chunk_answered_at.clear()
+            self._chunk_answered_at[device_id] = now
             export = header.get("transfer_id") in self.exports.transfers
             topic = self.topics.ctrl(device_id) if export else self.topics.task(device_id)
             for frame in self._outbound.answer(payload, device_id):

@@ -24,12 +24,18 @@ class DeviceRecord:
     state: str = "online"
 
 
+# Upper bounds of hello fields: generous for any real board, small enough that nothing downstream
+# (tier arithmetic, aggregation weights, memory planning) ever meets an absurd or unrepresentable number.
+HELLO_MAXIMUMS = {"num_samples": 10**9, "index": 10**6, "memory_budget_bytes": 2**50}
+
+
 def _optional_int(profile: dict[str, Any], name: str, minimum: int) -> int | None:
     value = profile.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise WireError(f"hello field {name!r} must be an integer >= {minimum}, got {value!r:.40}")
+    maximum = HELLO_MAXIMUMS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise WireError(f"hello field {name!r} must be an integer in [{minimum}, {maximum}], got {value!r:.40}")
     return value
 
 
@@ -38,7 +44,7 @@ def _labels(profile: dict[str, Any]) -> tuple[int, ...] | None:
     if labels is None:
         return None
     if not isinstance(labels, list) or len(labels) > 100_000 or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in labels):
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 10**6 for v in labels):
         raise WireError("hello field 'labels' must be a list of class indices")
     return tuple(sorted(set(labels)))
 

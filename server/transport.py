@@ -41,3 +41,7 @@ class Transport(Protocol):
     def cancel(self, round_index: int) -> None:
         """The round closed: results for it that arrive later are late and will be discarded."""
         ...
+
+    # Optional: `reopen(task_id)` — the coordinator refused a delivered result for a reason the device can
+    # fix (validation, screening); a corrected result for the same task must still be accepted. Transports
+    # that never see a second result for a task (in-process) need not define it.

@@ -16,6 +16,7 @@ from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundPolicy, RoundRecord
 from nestling.server.evaluation import Evaluator
 from nestling.server.run_report import plot_accuracy, read_metrics, summarise, write_summary
+from nestling.server.screening import robust_policy
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo
 from nestling.simulator.backend import Backend, DataProvider, DeviceStoreSide, InProcessBackend, ProcessPoolBackend
@@ -104,7 +105,8 @@ def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
                           calibration=bundle.train.x)
     policy = RoundPolicy(rounds=cfg.run.rounds, fraction=cfg.train.fraction, over_selection=cfg.run.over_selection,
                          quorum=cfg.run.quorum, deadline_s=cfg.run.deadline_s, eval_every=cfg.run.eval_every,
-                         checkpoint_every=cfg.run.checkpoint_every, seed=cfg.run.seed)
+                         checkpoint_every=cfg.run.checkpoint_every, seed=cfg.run.seed,
+                         robust=robust_policy(cfg.run))
     clock = replay.clock if replay else WallClock()
     hook = replay.after_round(on_round) if replay else on_round
     coordinator = Coordinator(strategy, transport, clock, evaluator, policy, out_dir, hook,

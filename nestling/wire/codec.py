@@ -39,8 +39,13 @@ _COMPUTED_FIELDS = ("schema", "kind", "body_sha256", "body_length")
 _CALLER_FIELDS = ("message_id", "round", "device_id", "spec_id", "meta")
 
 
+# No honest frame carries an integer anywhere near 2**53 (a round, a schema, a count): bounding them here
+# keeps 10**400 and friends from ever reaching float() or an index further in.
+MAX_WIRE_INT = 2**53
+
+
 def _is_int(value: Any, minimum: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_WIRE_INT
 
 
 def _is_short_str(value: Any) -> bool:
@@ -52,7 +57,7 @@ _FIELD_RULES: dict[str, tuple[Any, str]] = {
     "schema": (_is_int, "an integer"),
     "kind": (lambda v: isinstance(v, str) and _KIND_PATTERN.fullmatch(v) is not None, "a lowercase word"),
     "message_id": (_is_short_str, "a string of 1-128 characters"),
-    "round": (lambda v: v is None or _is_int(v), "an integer >= 0 or null"),
+    "round": (lambda v: v is None or _is_int(v), "an integer in [0, 2**53] or null"),
     "device_id": (lambda v: v is None or _is_short_str(v), "a string of 1-128 characters or null"),
     "spec_id": (lambda v: v is None or _is_short_str(v), "a string of 1-128 characters or null"),
     "body_sha256": (

@@ -104,7 +104,7 @@ def test_duplicate_stale_unknown_and_invalid_results_are_counted_and_never_appli
     record = coord.run_round(0)
     assert record.accepted == 3 and record.aggregated
     counted = {k: v for k, v in record.counters.items() if v}
-    assert counted == {"duplicate": 1, "stale": 1, "unknown_task": 3, "rejected_invalid": 1}
+    assert counted == {"duplicate": 1, "future": 1, "unknown_task": 3, "rejected_invalid": 1}  # round 5 > 0
     state = coord.strategy.global_state
     expected = (10 * 1.0 + 10 * 2.0 + 10 * 3.0) / 30  # FedAvg of the three valid results, equal sample counts
     assert all(torch.allclose(v, torch.full_like(v, expected)) for v in state.values() if v.is_floating_point())
