@@ -102,6 +102,7 @@ class MqttTransport:
         self._rejected: list[tuple[str, str]] = []
         self._counted = RecentKeys()
         self._rehello_at: dict[str, float] = {}
+        self._cleared: set[str] = set()  # topics whose retained frame we cleared (their empty echo is ignored)
         self._chunk_answered_at: dict[str, float] = {}  # device -> when its last chunk re-request was answered
         self._next_tick = 0.0
         self._status_sent: mqtt.MQTTMessageInfo | None = None
@@ -237,9 +238,10 @@ class MqttTransport:
             if parsed.fleet != self.topics.fleet or parsed.device_id is None:
                 return
             device_id = parsed.device_id
-            if not payload:
-                return  # a cleared retained message (ours below, or a board's), nothing to act on
-            if retained:
+            if not payload and topic in self._cleared:
+                self._cleared.discard(topic)
+                return  # the echo of a retained message we cleared below
+            if retained and payload:
                 self._drop_retained(topic, device_id)
                 return
             if parsed.channel == HELLO:
@@ -261,6 +263,9 @@ class MqttTransport:
         broker so no later server does either. The board's live messages follow soon enough."""
         self.counters["ignored_retained"] += 1
         log.info("ignored and cleared a retained message of %s on %s", device_id, topic)
+        if len(self._cleared) > 10_000:
+            self._cleared.clear()
+        self._cleared.add(topic)
         self.client.publish(topic, b"", qos=QOS, retain=True)
 
     def reopen(self, task_id: str) -> None:
@@ -323,7 +328,7 @@ class MqttTransport:
         if kind == CHUNK_REQUEST_KIND:  # the device lost chunks of its task (or of its export order)
             now = time.monotonic()
             if now - self._chunk_answered_at.get(device_id, -1e9) < self.settings.chunk_answer_every_s:
-                self.counters["chunk_requests_throttled"] += 1  # a board asking in a loop must not flood the link
+                self._reject(device_id, "throttled", detail="chunk re-request")  # a looping board must not flood
                 return
             if len(self._chunk_answered_at) > 10_000:
                 self._chunk_answered_at.clear()

@@ -183,7 +183,7 @@ def test_hostile_messages_are_all_refused_and_the_global_model_is_unchanged(runn
     assert all(torch.equal(before[k], after[k]) for k in before)
     reasons = {k for k, v in transport.counters.items() if k.startswith("rejected_") and v}
     assert {"rejected_malformed", "rejected_sha_mismatch", "rejected_unknown_schema", "rejected_oversized",
-            "rejected_wrong_tensors", "rejected_non_finite", "rejected_stale", "rejected_unknown_task",
+            "rejected_wrong_tensors", "rejected_non_finite", "rejected_future", "rejected_unknown_task",
             "rejected_wrong_device", "rejected_stale_session", "rejected_unknown_device"} <= reasons
 
     # Still serving: honest boards come back and their results of the next round are applied.

@@ -132,7 +132,7 @@ def test_only_the_missing_chunks_are_requested_again(transport, device, strategy
     (lambda t: {"weights": {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
                            for k, v in t.weights.items()}},
      "non_finite"),
-    (lambda t: {"round": 7}, "stale"),
+    (lambda t: {"round": 7}, "future"),  # round 7 has not started: not "stale"
     (lambda t: {"task_id": "r0-someone-else"}, "unknown_task"),
     (lambda t: {"device_id": "board-b"}, "wrong_device"),
 ])
