@@ -202,8 +202,11 @@ class Coordinator:
             delivery = self.transport.wait(deadline, want - len(accepted))
             spent += time.perf_counter() - t0
             counters["dropouts"] += len(delivery.dropped)
-            for _, reason in delivery.rejected:
+            for device_id, reason in delivery.rejected:
                 counters[f"rejected_{reason}"] += 1
+                if reason == "non_finite" and device_id in self._registered:  # refused at the wire already
+                    self._judged.add(device_id)
+                    self._non_finite.add(device_id)
             for result in delivery.results:
                 try:
                     verdict = self._admit(round_index, by_task, result)

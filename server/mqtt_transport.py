@@ -102,6 +102,7 @@ class MqttTransport:
         self._rejected: list[tuple[str, str]] = []
         self._counted = RecentKeys()
         self._rehello_at: dict[str, float] = {}
+        self._held: dict[str, Result] = {}  # task id -> a later result, kept until the first is judged
         self._cleared: set[str] = set()  # topics whose retained frame we cleared (their empty echo is ignored)
         self._chunk_answered_at: dict[str, float] = {}  # device -> when its last chunk re-request was answered
         self._next_tick = 0.0
@@ -214,6 +215,7 @@ class MqttTransport:
                 entry.frames = []
                 del self._open[device_id]
                 self._inbound.pop(device_id, None)
+        self._held = {k: r for k, r in self._held.items() if r.round > round_index}
         self.publish_status("aggregating", round_index)
 
     # -- inbox -----------------------------------------------------------------------------------
@@ -273,6 +275,10 @@ class MqttTransport:
         entry = self._tasks.get(task_id)
         if entry is not None and entry.state == "accepted":
             entry.state = "pending"
+            held = self._held.pop(task_id, None)
+            if held is not None:
+                entry.state = "accepted"
+                self._ready.append(held)
 
     def _reject(self, device_id: str, reason: str, *, detail: str = "", key: str | None = None) -> None:
         if key is not None and not self._counted.add(key):
@@ -364,6 +370,10 @@ class MqttTransport:
         result, session = decode_result(decode_message(payload, max_bytes=limit))
         entry = self._tasks.get(result.task_id)
         reason = check_result(device_id, result, session, self.session, entry, self.current_round)
+        if reason == "duplicate" and entry is not None and entry.round == self.current_round:
+            # The delivered result may still be refused by the coordinator (reopen below): keep the newest
+            # later one, so a board's corrected result is not lost to a race with that verdict.
+            self._held[result.task_id] = result
         if reason is not None:
             self._reject(device_id, reason, detail=f"task {result.task_id} round {result.round}")
             return
