@@ -123,6 +123,7 @@ class Coordinator:
         self.refusals = RefusalLog(log)
         self.quarantine: dict[str, int] = {}  # device -> first round it may be selected again
         self.quarantine_log: list[dict[str, Any]] = []  # every quarantine, for the run's summary
+        self.aggregate_seconds = 0.0  # screening + aggregation + divergence guard, the robustness overhead
         self._registered: dict[str, DeviceInfo] = {}
         self._sizes: dict[str, UpdateSize] = {}
         self._judged: set[str] = set()  # devices whose result reached validation this round
@@ -155,7 +156,9 @@ class Coordinator:
         dispatched_at = self.clock.now()
         self.transport.dispatch(list(tasks.values()))
         accepted, collect_seconds = self._collect(round_index, tasks, counters)
+        screen_started = time.perf_counter()
         accepted = self._screen_round(round_index, accepted, counters)
+        self.aggregate_seconds += time.perf_counter() - screen_started
         closed_at = self.clock.now()
         self.transport.cancel(round_index)
         self.refusals.flush()
@@ -166,7 +169,9 @@ class Coordinator:
         quorum = max(1, math.ceil(self.policy.quorum * min(self.needed(), len(tasks))))
         aggregated = len(accepted) >= quorum
         if aggregated:
+            aggregate_started = time.perf_counter()
             aggregated = self._aggregate_guarded(round_index, accepted, counters)
+            self.aggregate_seconds += time.perf_counter() - aggregate_started
             if not aggregated:
                 rolled_back, quarantined = round_index, self._quarantine(round_index, accepted)
         else:
@@ -252,7 +257,9 @@ class Coordinator:
                                  f"claims {result.num_samples} samples, registered {registered.num_samples}")
             return "rejected_num_samples"
         if self.policy.robust.screen_updates:
+            measured = time.perf_counter()
             size = update_size(task, result)
+            self.aggregate_seconds += time.perf_counter() - measured
             reason = absolute_reason(size, self.policy.robust)
             if reason:
                 if not math.isfinite(size.norm):

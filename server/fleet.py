@@ -144,6 +144,7 @@ def run_fleet(cfg: FleetConfig, *, resume: bool = False,
         transport.close()
     summary = summarise(read_metrics(out_dir), cfg.to_dict(), time.perf_counter() - started)
     summary["transport"] = dict(sorted(transport.counters.items()))
+    summary["quarantined"] = coordinator.quarantine_log  # devices a divergence guard rollback put aside
     summary["trained_by"] = {spec: sorted(devices) for spec, devices in transport.trained_by.items()}
     if registry.emulated():
         summary["emulated"] = registry.emulated()

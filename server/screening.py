@@ -74,14 +74,16 @@ def robust_policy(run: RunSection) -> RobustPolicy:
 
 def update_size(task: Task, result: Result) -> UpdateSize:
     """L2 norm (float64) of result − task over the floating tensors the result carries; inf if non-finite."""
-    total, elements = 0.0, 0
+    squares: list[torch.Tensor] = []
+    elements = 0
     for key, value in result.weights.items():
         base = task.weights.get(key)
         if base is None or not value.is_floating_point():
             continue
-        delta = value.detach().to(torch.float64) - base.detach().to(torch.float64)
-        total += float(torch.sum(delta * delta))
-        elements += delta.numel()
+        # In the tensors' own precision: an update whose norm overflows float32 is refused as non-finite.
+        squares.append(torch.linalg.vector_norm(value.detach() - base.detach()).double() ** 2)
+        elements += value.numel()
+    total = float(torch.stack(squares).sum()) if squares else 0.0
     return UpdateSize(math.sqrt(total) if math.isfinite(total) else math.inf, elements)
 
 
@@ -126,10 +128,6 @@ def clip_update(task: Task, result: Result, norm: float, bound: float) -> Result
 
 def largest_magnitude(state: dict[str, torch.Tensor]) -> float:
     """max |w| over the floating tensors of a model state (inf when any value is non-finite)."""
-    worst = 0.0
-    for value in state.values():
-        if value.is_floating_point() and value.numel():
-            if not bool(torch.isfinite(value).all()):
-                return math.inf
-            worst = max(worst, float(value.abs().max()))
-    return worst
+    peaks = [torch.amax(value.abs()) for value in state.values() if value.is_floating_point() and value.numel()]
+    worst = float(torch.stack(peaks).max()) if peaks else 0.0  # NaN propagates through amax
+    return worst if math.isfinite(worst) else math.inf

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from nestling.messages import Task
+from nestling.messages import Result, Task
 from nestling.server.clock import VirtualClock
 from nestling.server.strategies.base import DeviceInfo
 from nestling.server.transport import Delivery
@@ -57,6 +58,7 @@ class InProcessTransport:
         backend: Backend,
         clock: VirtualClock | None = None,
         fleet: SimulatedFleet | None = None,
+        tamper: Callable[[Task, Result], Result] | None = None,
     ) -> None:
         if fleet is not None and clock is None:
             raise ValueError("a simulated fleet needs the virtual clock it runs on")
@@ -64,6 +66,7 @@ class InProcessTransport:
         self.backend = backend
         self.clock = clock
         self.fleet = fleet
+        self.tamper = tamper  # robustness experiments: what a bad board would send instead of its result
         self.pending: list[tuple[float, TaskEvent, Task | None]] = []  # None: a dropout event
         self.events: list[TaskEvent] = []  # every task dispatched in a replay; drained per round
 
@@ -121,6 +124,9 @@ class InProcessTransport:
         self.pending = self.pending[taken:]
         if due:
             delivery.results = self.backend.run([task for _, _, task in due])
+            if self.tamper is not None:
+                by_id = {task.task_id: task for _, _, task in due}
+                delivery.results = [self.tamper(by_id[r.task_id], r) for r in delivery.results]
         if self.clock is not None and self.fleet is not None:
             if len(due) < want and self.pending and deadline != float("inf"):
                 last = deadline  # nothing more before the deadline: the coordinator waited it out

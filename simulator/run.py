@@ -74,8 +74,9 @@ def make_devices(fleet: FleetData, count: int) -> list[DeviceInfo]:
 
 
 def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
-                   on_round: Any = None) -> dict[str, Any]:
-    """Run (or resume) a simulation; writes metrics.jsonl, checkpoints, summary.json and accuracy.png."""
+                   on_round: Any = None, tamper: Any = None) -> dict[str, Any]:
+    """Run (or resume) a simulation; writes metrics.jsonl, checkpoints, summary.json and accuracy.png.
+    `tamper(task, result) -> result` stands in for bad boards (benchmarks/robustness.py)."""
     started = time.perf_counter()
     torch.set_num_threads(1)
     traces = load_traces(cfg.run.traces) if cfg.run.traces else None
@@ -100,7 +101,7 @@ def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
     replay = None
     if traces:
         replay = Replay(str(cfg.run.traces), traces, devices, backend, bundle.input_shape, out_dir)
-    transport = replay.transport if replay else InProcessTransport(devices, backend)
+    transport = replay.transport if replay else InProcessTransport(devices, backend, tamper=tamper)
     evaluator = Evaluator(bundle.test.x, bundle.test.y, batch_size=cfg.run.eval_batch, device=cfg.run.device,
                           calibration=bundle.train.x)
     policy = RoundPolicy(rounds=cfg.run.rounds, fraction=cfg.train.fraction, over_selection=cfg.run.over_selection,
@@ -128,6 +129,8 @@ def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
     if replay:
         summary["replay"] = replay.summary()
         summary["replay"]["report"] = str(write_replay_report(out_dir, title, summary["replay"]["device_classes"]))
+    summary["quarantined"] = coordinator.quarantine_log
+    summary["aggregate_seconds"] = coordinator.aggregate_seconds
     write_summary(out_dir, summary)
     plot_accuracy(out_dir, title)
     return summary

@@ -29,7 +29,7 @@ def honest(task: Task, board: int) -> Result:
     """A small update seeded by round and board, like one epoch of local SGD would give."""
     generator = torch.Generator().manual_seed(1000 * task.round + board)
     result = echo_result(task)
-    for key, value in result.weights.items():
+    for value in result.weights.values():
         if value.is_floating_point():
             value.add_(0.01 * torch.randn(value.shape, generator=generator))
     return result
@@ -69,7 +69,7 @@ class AttackRun:
     coordinator: Coordinator
 
 
-def small_strategy(method: str = "fedavg", clients: int = 3, rounds: int = 3):  # noqa: ANN201 - a Strategy
+def small_strategy(method: str = "fedavg", clients: int = 3, rounds: int = 3):
     ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=clients,
                           total_rounds=rounds, seed=0)
     return create_strategy(method, ctx)

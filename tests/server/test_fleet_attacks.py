@@ -87,15 +87,14 @@ def test_next_round_mostly_non_finite_rolls_the_previous_round_back(broker):
 
 
 def test_a_corrected_result_after_a_refused_one_is_accepted(broker):
-    with fleet_server(broker, "corrected", 2, 1) as (coordinator, _, devices):
-        with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(coordinator.run_round, 0)
-            task0, session0 = devices[0].next_task()
-            task1, session1 = devices[1].next_task()
-            devices[0].send_result(inflated_samples(task0, 0), session0)
-            devices[0].send_result(honest(task0, 0), session0)
-            devices[1].send_result(honest(task1, 1), session1)
-            record = running.result(timeout=60)
+    with fleet_server(broker, "corrected", 2, 1) as (coordinator, _, devices), ThreadPoolExecutor(1) as pool:
+        running = pool.submit(coordinator.run_round, 0)
+        task0, session0 = devices[0].next_task()
+        task1, session1 = devices[1].next_task()
+        devices[0].send_result(inflated_samples(task0, 0), session0)
+        devices[0].send_result(honest(task0, 0), session0)
+        devices[1].send_result(honest(task1, 1), session1)
+        record = running.result(timeout=60)
     assert record.counters["rejected_num_samples"] == 1 and record.accepted == 2 and record.aggregated
 
 

@@ -1,0 +1,132 @@
+"""Robustness: one bad board among 10 against an honest run (issue 16).
+
+Digits, 10 boards, every board every round, the same seed and rounds for every run. Each attack run
+has board 0 send, every round instead of its trained result: huge finite values (3.0e38), its update
+scaled x100, its update sign-flipped, or all-zero weights claiming 10**9 samples. Two honest runs,
+with screening (the default) and without (screen_updates and divergence_guard off), time the
+coordinator's screening + aggregation side by side. The simulator's in-process transport carries
+the results: screening lives in the coordinator, which every transport (MQTT included) goes through.
+
+Last line: `worst_acc_drop=<points> runs_finished=K/N honest_overhead=<with/without>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nestling.messages import Result, Task
+
+Tamper = Callable[[Task, Result], Result]
+ATTACKER = "dev-00000"
+
+
+def _update(task: Task, result: Result, transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Result:
+    if result.device_id != ATTACKER:
+        return result
+    weights = {k: transform(task.weights[k], v) if v.is_floating_point() and k in task.weights else v
+               for k, v in result.weights.items()}
+    return replace(result, weights=weights)
+
+
+def huge(task: Task, result: Result) -> Result:
+    return _update(task, result, lambda base, trained: torch.full_like(trained, 3.0e38))
+
+
+def scaled(task: Task, result: Result) -> Result:
+    return _update(task, result, lambda base, trained: base + 100.0 * (trained - base))
+
+
+def sign_flipped(task: Task, result: Result) -> Result:
+    return _update(task, result, lambda base, trained: base - (trained - base))
+
+
+def inflated(task: Task, result: Result) -> Result:
+    if result.device_id != ATTACKER:
+        return result
+    zeroed = _update(task, result, lambda base, trained: torch.zeros_like(trained))
+    return replace(zeroed, num_samples=10**9)
+
+
+ATTACKS: dict[str, Tamper] = {"huge_values": huge, "scaled_x100": scaled, "sign_flipped": sign_flipped,
+                              "inflated_num_samples": inflated}
+
+
+def config(a: argparse.Namespace, screening: bool) -> Any:
+    from nestling.config import config_from_dict
+
+    return config_from_dict({
+        "run": {"rounds": a.rounds, "seed": a.seed, "quorum": 0.6, "eval_every": a.rounds, "checkpoint_every": 0,
+                "workers": 1, "screen_updates": screening, "divergence_guard": screening,
+                "aggregation": a.aggregation},
+        "data": {"dataset": "digits", "clients": 10},
+        "model": {"arch": a.model},
+        "method": {"name": a.method},
+        "train": {"fraction": 1.0, "local_epochs": a.local_epochs, "batch_size": 32, "lr": 0.05,
+                  "momentum": 0.9, "schedule": "constant"},
+    })
+
+
+def one_run(a: argparse.Namespace, work: Path, name: str, tamper: Tamper | None, screening: bool = True) -> dict:
+    from nestling.simulator.run import run_simulation
+
+    summary = run_simulation(config(a, screening), work / name, tamper=tamper)
+    metrics = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines() if line]
+    return {"name": name, "accuracy": summary["worst_accuracy"], "finished": len(metrics) == a.rounds,
+            "aggregate_seconds": summary["aggregate_seconds"], "quarantined": summary["quarantined"],
+            "refused": sum(sum(v for k, v in m["counters"].items() if k.startswith("rejected_")) for m in metrics)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="tinycnn")
+    parser.add_argument("--method", default="fedavg")
+    parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--aggregation", default="mean", choices=("mean", "trimmed_mean", "median"),
+                        help="[run] aggregation for every run, honest ones included (default: the methods' mean)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds: a smoke check, not a measurement")
+    a = parser.parse_args(argv)
+    if a.quick:
+        a.rounds = 3
+    torch.set_num_threads(1)
+    from rich.progress import Progress
+
+    plan: list[tuple[str, Tamper | None, bool]] = [("honest", None, True), ("honest_unscreened", None, False)]
+    plan += [(name, attack, True) for name, attack in ATTACKS.items()]
+    runs: dict[str, dict] = {}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
+        bar = progress.add_task("robustness runs", total=len(plan))
+        for name, tamper, screening in plan:
+            progress.update(bar, description=name)
+            runs[name] = one_run(a, Path(tmp), name, tamper, screening)
+            progress.advance(bar)
+    honest = runs["honest"]
+    attacks = [runs[name] for name in ATTACKS]
+    for run in runs.values():
+        drop = 100 * (honest["accuracy"] - run["accuracy"])
+        print(f"{run['name']:<22} accuracy {100 * run['accuracy']:6.2f}%  drop {drop:+6.2f} pts  "
+              f"finished {run['finished']}  refused {run['refused']:3d}  aggregate {run['aggregate_seconds']:.3f}s"
+              f"  quarantined {run['quarantined']}")
+    worst_drop = max(100 * (honest["accuracy"] - run["accuracy"]) for run in attacks)
+    finished = sum(run["finished"] for run in attacks)
+    overhead = honest["aggregate_seconds"] / max(runs["honest_unscreened"]["aggregate_seconds"], 1e-9)
+    print(f"{a.rounds} rounds, seed {a.seed}, {a.model}/{a.method}, aggregation {a.aggregation}; wall {time.perf_counter() - started:.0f}s; "
+          f"honest screened == unscreened accuracy: {honest['accuracy'] == runs['honest_unscreened']['accuracy']}")
+    print(f"worst_acc_drop={worst_drop:.2f} runs_finished={finished}/{len(attacks)} honest_overhead={overhead:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Screening and robust aggregation in the simulator (the same coordinator as a fleet): an honest run is
+bit-identical with screening on, a bad board is refused, and robust rules run every nested strategy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nestling.config import config_from_dict
+from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
+from nestling.simulator.run import run_simulation
+from benchmarks.robustness import ATTACKS
+
+
+def tiny(method: str = "fedavg", **run: object):  # noqa: ANN201 - a SimConfig
+    return config_from_dict({
+        "run": {"rounds": 2, "seed": 3, "workers": 1, "eval_every": 2, "quorum": 0.6, **run},
+        "data": {"dataset": "digits", "clients": 4, "limit_train": 400, "limit_test": 100},
+        "model": {"arch": "tinycnn"}, "method": {"name": method},
+        "train": {"fraction": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+    })
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    path = latest_checkpoint(out / "checkpoints")
+    assert path is not None
+    return load_checkpoint(path)[0]
+
+
+def test_an_honest_run_is_bit_identical_with_screening_on(tmp_path: Path) -> None:
+    run_simulation(tiny(screen_updates=True, divergence_guard=True), tmp_path / "on")
+    run_simulation(tiny(screen_updates=False, divergence_guard=False), tmp_path / "off")
+    on, off = final_weights(tmp_path / "on"), final_weights(tmp_path / "off")
+    assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
+
+
+def test_a_huge_valued_board_is_refused_in_the_simulator(tmp_path: Path) -> None:
+    summary = run_simulation(tiny(), tmp_path / "huge", tamper=ATTACKS["huge_values"])
+    weights = final_weights(tmp_path / "huge")
+    assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.is_floating_point())
+    assert summary["quarantined"] == []
+
+
+@pytest.mark.parametrize("method", ["heterofl", "nefl-wd", "depthfl"])
+@pytest.mark.parametrize("rule", ["trimmed_mean", "median"])
+def test_robust_rules_aggregate_every_nested_strategy(tmp_path: Path, method: str, rule: str) -> None:
+    run_simulation(tiny(method, aggregation=rule, rounds=1, eval_every=1), tmp_path / rule,
+                   tamper=ATTACKS["sign_flipped"])
+    weights = final_weights(tmp_path / rule)
+    assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.is_floating_point())
