@@ -131,6 +131,7 @@ class Coordinator:
         # Divergence guard: the strategy's state before the last applied aggregation, and who it applied.
         self._before_last: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
         self._last_applied: tuple[int, list[str]] | None = None
+        self._scale: float | None = None  # largest |w| of the global model after the last aggregation
 
     # -- selection ------------------------------------------------------------------------------
     def needed(self) -> int:
@@ -302,7 +303,9 @@ class Coordinator:
         """Aggregate; undo it (False) when it failed or left the model non-finite or exploded."""
         robust = self.policy.robust
         before = self._snapshot() if robust.divergence_guard else None
-        scale_before = largest_magnitude(self.strategy.global_state) if before else 0.0
+        scale_before = 0.0
+        if before is not None:
+            scale_before = self._scale if self._scale is not None else largest_magnitude(self.strategy.global_state)
         try:
             with robust_rule(robust.aggregation, robust.trim_fraction):
                 self.strategy.aggregate(round_index, accepted)
@@ -321,8 +324,9 @@ class Coordinator:
                       "before the round", round_index, scale_before, scale_after)
             counters["rolled_back"] += 1
             self.strategy.load_state(*before)
+            self._scale = scale_before
             return False
-        self._before_last = before
+        self._before_last, self._scale = before, scale_after
         self._last_applied = (round_index, [r.device_id for _, r in accepted])
         return True
 
@@ -337,7 +341,7 @@ class Coordinator:
                   round_index, previous, ", ".join(devices))
         counters["rolled_back"] += 1
         self.strategy.load_state(*self._before_last)
-        self._before_last = self._last_applied = None
+        self._before_last = self._last_applied = self._scale = None
         return previous, self._quarantine(round_index, [], devices)
 
     def _quarantine(self, round_index: int, accepted: list[tuple[Task, Result]],

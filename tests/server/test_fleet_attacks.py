@@ -42,7 +42,8 @@ def honest_run(broker):
 
 @pytest.mark.parametrize("name, attack", [("huge", huge_values), ("scaled", scaled(100.0))])
 def test_one_attacker_is_refused_and_the_model_stays_near_the_honest_run(broker, honest_run, name, attack):
-    attacked = run_fleet(broker, f"attack-{name}", rounds=3, behaviours={2: attack})
+    # A refused board may still send a corrected result, so its round waits for the deadline: keep it short.
+    attacked = run_fleet(broker, f"attack-{name}", rounds=3, behaviours={2: attack}, deadline_s=2.0)
     assert all(r.aggregated and r.accepted == 2 for r in attacked.records)  # the run finished, every round
     assert sum(r.counters.get("rejected_update_norm", 0) for r in attacked.records) == 3
     assert math.isfinite(largest_magnitude(attacked.state))
