@@ -74,17 +74,16 @@ def robust_policy(run: RunSection) -> RobustPolicy:
 
 def update_size(task: Task, result: Result) -> UpdateSize:
     """L2 norm (float64) of result − task over the floating tensors the result carries; inf if non-finite."""
-    squares: list[torch.Tensor] = []
-    elements = 0
-    for key, value in result.weights.items():
-        base = task.weights.get(key)
-        if base is None or not value.is_floating_point():
-            continue
-        # In the tensors' own precision: an update whose norm overflows float32 is refused as non-finite.
-        squares.append(torch.linalg.vector_norm(value.detach() - base.detach()).double() ** 2)
-        elements += value.numel()
-    total = float(torch.stack(squares).sum()) if squares else 0.0
-    return UpdateSize(math.sqrt(total) if math.isfinite(total) else math.inf, elements)
+    pairs = [(value.detach(), task.weights[key].detach()) for key, value in result.weights.items()
+             if value.is_floating_point() and key in task.weights]
+    if not pairs:
+        return UpdateSize(0.0, 0)
+    trained, sent = [p[0] for p in pairs], [p[1] for p in pairs]
+    # One fused pass per tensor list, in the tensors' own precision: an update whose norm overflows float32
+    # is refused as non-finite.
+    norms = torch._foreach_norm(torch._foreach_sub(trained, sent))
+    total = float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms])))
+    return UpdateSize(total if math.isfinite(total) else math.inf, sum(t.numel() for t in trained))
 
 
 def absolute_reason(size: UpdateSize, policy: RobustPolicy) -> str | None:
