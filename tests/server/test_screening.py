@@ -9,7 +9,14 @@ import torch
 
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
-from nestling.server.screening import RobustPolicy, UpdateSize, absolute_reason, clip_update, outliers, update_size
+from nestling.server.screening import (
+    RobustPolicy,
+    UpdateSize,
+    absolute_reason,
+    clip_update,
+    outliers,
+    update_size,
+)
 
 
 def pair(update: float, n: int = 4) -> tuple[Task, Result]:
