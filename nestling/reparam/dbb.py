@@ -190,7 +190,9 @@ class SequentialBranch(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.conv1(x)
-        h = pad_with_border(self.bn1(pre), self.border_value(pre), self.padding)
+        h = self.bn1(pre)
+        if self.padding:
+            h = pad_with_border(h, self.border_value(pre), self.padding)
         if self.conv2 is not None:
             h = self.conv2(h)
         else:
@@ -226,8 +228,8 @@ class AveragePoolBranch(nn.Module):
         return self.bn(F.avg_pool2d(x, self.kernel_size, self.stride, self.padding, count_include_pad=True))
 
     def equivalent(self) -> KernelBias:
-        kernel = avg_pool_kernel(self.bn.num_features, self.kernel_size, self.groups, like=self.bn.running_mean)
-        return fuse_conv_bn(kernel.to(self.bn.weight.dtype), None, self.bn)
+        kernel = avg_pool_kernel(self.bn.num_features, self.kernel_size, self.groups, like=self.bn.weight)
+        return fuse_conv_bn(kernel, None, self.bn)
 
 
 class IdentityBranch(nn.Module):
@@ -293,6 +295,8 @@ def checked_branches(geometry: ConvGeometry, branches: Iterable[str] | None) -> 
 
 class DiverseBranchBlock(nn.Module):
     """A K×K conv re-parameterised as parallel branches; `equivalent()` folds it back (eval mode)."""
+
+    plain_template: nn.Conv2d | None  # kept out of the module tree: not a parameter holder, not in the state dict
 
     def __init__(self, geometry: ConvGeometry, branches: Iterable[str] | None = None, *,
                  inner_width: int | None = None) -> None:

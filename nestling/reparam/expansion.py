@@ -9,7 +9,7 @@ then the K×K branch becomes "target − Σ other branches" with its BN set to t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +181,9 @@ def recalibrate(
     return used
 
 
-def _target_output(block: DiverseBranchBlock, kernel: torch.Tensor, bias: torch.Tensor):  # noqa: ANN202
+def _target_output(
+    block: DiverseBranchBlock, kernel: torch.Tensor, bias: torch.Tensor
+) -> Callable[[nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]:
     """A forward hook replacing a calibrating block's output with its target conv's output."""
     g = block.geometry
 

@@ -13,7 +13,7 @@ ReLU between the conv and the BN makes the conv ineligible).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +96,7 @@ def find_sites(model: nn.Module, input_shape: Sequence[int]) -> list[ConvSite]:
     order: list[str] = []
     handles = []
 
-    def on_conv(name: str):  # noqa: ANN202
+    def on_conv(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...], torch.Tensor], None]:
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
             if name not in conv_nodes:
                 order.append(name)
@@ -104,7 +104,7 @@ def find_sites(model: nn.Module, input_shape: Sequence[int]) -> list[ConvSite]:
                 sizes[name] = (tuple(inputs[0].shape[2:]), tuple(output.shape[2:]))  # type: ignore[assignment]
         return hook
 
-    def on_bn(name: str):  # noqa: ANN202
+    def on_bn(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
             bn_inputs.setdefault(name, inputs[0].grad_fn)
         return hook
@@ -253,8 +253,8 @@ def fuse_block(model: nn.Module, name: str) -> nn.Conv2d:
     if not isinstance(dbb, DiverseBranchBlock):
         raise ValueError(f"'{name}' is a {type(dbb).__name__}, not a Diverse Branch Block")
     site: ConvSite | None = dbb.site
-    template: nn.Conv2d | None = dbb.plain_template  # type: ignore[attr-defined]
-    if site is None or template is None:
+    template = dbb.plain_template
+    if site is None or not isinstance(template, nn.Conv2d):
         raise ValueError(f"the DBB '{name}' was not made by expand_model: fuse it with DiverseBranchBlock.equivalent()")
     kernel, bias = dbb.equivalent()
     plain = copy.deepcopy(template).to_empty(device=kernel.device)
