@@ -16,8 +16,9 @@ def randomise_norms(module: nn.Module, generator: torch.Generator) -> None:
             if isinstance(bn, nn.BatchNorm2d):
                 dtype = bn.weight.dtype
                 n = bn.num_features
-                bn.running_mean.copy_(torch.randn(n, generator=generator, dtype=dtype))
-                bn.running_var.copy_(torch.rand(n, generator=generator, dtype=dtype) * 1.5 + 0.25)
+                if bn.running_mean is not None and bn.running_var is not None:
+                    bn.running_mean.copy_(torch.randn(n, generator=generator, dtype=dtype))
+                    bn.running_var.copy_(torch.rand(n, generator=generator, dtype=dtype) * 1.5 + 0.25)
                 bn.weight.copy_(torch.rand(n, generator=generator, dtype=dtype) + 0.5)
                 bn.bias.copy_(torch.randn(n, generator=generator, dtype=dtype))
 
