@@ -10,7 +10,7 @@ the plain conv and match a measured step exactly (tests/nestling/reparam/test_co
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nestling.reparam.dbb import ORIGINAL, ConvGeometry, checked_branches
@@ -124,25 +124,25 @@ def structure_cost(
     return total
 
 
+def _worst(costs: list[ExpansionCost], capacity: int, key: Callable[[ExpansionCost], tuple[int, ...]]) -> ExpansionCost:
+    total = ExpansionCost()
+    for cost in sorted(costs, key=key, reverse=True)[:capacity]:
+        total = total + cost
+    return total
+
+
 def capacity_cost(
     sites: Sequence[ConvSite], capacity: int, *, batch: int, momentum: bool = False, inner_width: int | None = None
 ) -> ExpansionCost:
-    """The most a capacity of c expanded convs can cost: the c sites whose full DBBs need the most training memory.
+    """The most memory a capacity of c expanded convs can take: the c sites whose full DBBs need the most.
 
     Salience picks the convs at run time, so a board is priced for the worst choice and never gets a
     structure that does not fit.
     """
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    costs = sorted(
-        (expansion_cost(site, inner_width=inner_width) for site in sites),
-        key=lambda c: (c.training_bytes(batch, momentum=momentum), c.training_macs),
-        reverse=True,
-    )
-    total = ExpansionCost()
-    for cost in costs[:capacity]:
-        total = total + cost
-    return total
+    costs = [expansion_cost(site, inner_width=inner_width) for site in sites]
+    return _worst(costs, capacity, lambda c: (c.training_bytes(batch, momentum=momentum), c.training_macs))
 
 
 def affordable_capacity(
@@ -155,14 +155,17 @@ def affordable_capacity(
     inner_width: int | None = None,
     limit: int | None = None,
 ) -> int:
-    """The largest c whose worst-case expansion fits the spare memory (and spare MACs per sample, if given)."""
+    """The largest c whose worst choice of c convs fits the spare memory and, if given, the spare MACs per sample."""
+    costs = [expansion_cost(site, inner_width=inner_width) for site in sites]
     best = 0
     top = len(sites) if limit is None else min(limit, len(sites))
     for capacity in range(1, top + 1):
-        cost = capacity_cost(sites, capacity, batch=batch, momentum=momentum, inner_width=inner_width)
-        if cost.training_bytes(batch, momentum=momentum) > spare_bytes:
+        memory = _worst(costs, capacity, lambda c: (c.training_bytes(batch, momentum=momentum), c.training_macs))
+        if memory.training_bytes(batch, momentum=momentum) > spare_bytes:
             break
-        if spare_training_macs is not None and cost.training_macs > spare_training_macs:
-            break
+        if spare_training_macs is not None:
+            compute = _worst(costs, capacity, lambda c: (c.training_macs,))
+            if compute.training_macs > spare_training_macs:
+                break
         best = capacity
     return best
