@@ -32,8 +32,11 @@ class ExpansionCost:
 
     def __add__(self, other: ExpansionCost) -> ExpansionCost:
         return ExpansionCost(
-            self.params + other.params, self.buffer_bytes + other.buffer_bytes, self.forward_macs + other.forward_macs,
-            self.activation_bytes + other.activation_bytes, self.fixed_activation_bytes + other.fixed_activation_bytes,
+            self.params + other.params,
+            self.buffer_bytes + other.buffer_bytes,
+            self.forward_macs + other.forward_macs,
+            self.activation_bytes + other.activation_bytes,
+            self.fixed_activation_bytes + other.fixed_activation_bytes,
         )
 
     @property
@@ -44,14 +47,22 @@ class ExpansionCost:
     def training_bytes(self, batch: int, *, momentum: bool = False) -> int:
         """Extra peak training memory at `batch`: parameters, their gradients (and momentum), buffers, activations."""
         copies = 3 if momentum else 2
-        return (copies * FLOAT * self.params + self.buffer_bytes + batch * self.activation_bytes
-                + self.fixed_activation_bytes)
+        return (
+            copies * FLOAT * self.params
+            + self.buffer_bytes
+            + batch * self.activation_bytes
+            + self.fixed_activation_bytes
+        )
 
 
 def _bn(channels: int, saved_input: int, itemsize: int) -> ExpansionCost:
     """A BN over `channels` whose input (saved_input elements per sample, 0 if already kept) is new."""
-    return ExpansionCost(params=2 * channels, buffer_bytes=2 * itemsize * channels + INDEX,
-                         activation_bytes=itemsize * saved_input, fixed_activation_bytes=2 * itemsize * channels)
+    return ExpansionCost(
+        params=2 * channels,
+        buffer_bytes=2 * itemsize * channels + INDEX,
+        activation_bytes=itemsize * saved_input,
+        fixed_activation_bytes=2 * itemsize * channels,
+    )
 
 
 def _border(channels: int, padded: tuple[int, int], itemsize: int) -> ExpansionCost:
@@ -77,9 +88,13 @@ def branch_cost(
     if name == ORIGINAL:
         return ExpansionCost(params=c_out) + _bn(c_out, out, itemsize)
     if name == "conv1x1":
-        return ExpansionCost(params=c_out * per_group, forward_macs=out * per_group) + _bn(c_out, out, itemsize)
+        return ExpansionCost(params=c_out * per_group, forward_macs=out * per_group) + _bn(
+            c_out, out, itemsize
+        )
     if name in ("conv1xk", "convkx1"):
-        return ExpansionCost(params=c_out * per_group * k, forward_macs=out * per_group * k) + _bn(c_out, out, itemsize)
+        return ExpansionCost(params=c_out * per_group * k, forward_macs=out * per_group * k) + _bn(
+            c_out, out, itemsize
+        )
     if name == "identity":
         return _bn(c_out, 0, itemsize)
     p = g.padding
@@ -94,24 +109,35 @@ def branch_cost(
     # The (padded) BN output is kept by the K×K conv or the pool that reads it.
     cost = cost + ExpansionCost(activation_bytes=itemsize * inner * padded[0] * padded[1])
     if name == "conv1x1_kxk":
-        cost = cost + ExpansionCost(params=c_out * (inner // groups) * k * k, forward_macs=out * (inner // groups) * k * k)
+        cost = cost + ExpansionCost(
+            params=c_out * (inner // groups) * k * k, forward_macs=out * (inner // groups) * k * k
+        )
     elif name != "conv1x1_avg":
         raise ValueError(f"unknown DBB branch '{name}'")
     return cost + _bn(c_out, out, itemsize)
 
 
 def expansion_cost(
-    site: ConvSite, branches: Iterable[str] | None = None, *, inner_width: int | None = None, itemsize: int = FLOAT
+    site: ConvSite,
+    branches: Iterable[str] | None = None,
+    *,
+    inner_width: int | None = None,
+    itemsize: int = FLOAT,
 ) -> ExpansionCost:
     """Extra cost of training `site` as a DBB with `branches` (None: every available one) instead of a plain conv."""
     total = ExpansionCost()
     for name in checked_branches(site.geometry, branches):
-        total = total + branch_cost(name, site.geometry, site.input_size, inner_width=inner_width, itemsize=itemsize)
+        total = total + branch_cost(
+            name, site.geometry, site.input_size, inner_width=inner_width, itemsize=itemsize
+        )
     return total
 
 
 def structure_cost(
-    sites: Sequence[ConvSite], structure: Mapping[str, Iterable[str] | None], *, inner_width: int | None = None
+    sites: Sequence[ConvSite],
+    structure: Mapping[str, Iterable[str] | None],
+    *,
+    inner_width: int | None = None,
 ) -> ExpansionCost:
     """Extra cost of a whole structure ζ (site → branches)."""
     by_name = {site.name: site for site in sites}
@@ -124,7 +150,9 @@ def structure_cost(
     return total
 
 
-def _worst(costs: list[ExpansionCost], capacity: int, key: Callable[[ExpansionCost], tuple[int, ...]]) -> ExpansionCost:
+def _worst(
+    costs: list[ExpansionCost], capacity: int, key: Callable[[ExpansionCost], tuple[int, ...]]
+) -> ExpansionCost:
     total = ExpansionCost()
     for cost in sorted(costs, key=key, reverse=True)[:capacity]:
         total = total + cost
@@ -132,7 +160,12 @@ def _worst(costs: list[ExpansionCost], capacity: int, key: Callable[[ExpansionCo
 
 
 def capacity_cost(
-    sites: Sequence[ConvSite], capacity: int, *, batch: int, momentum: bool = False, inner_width: int | None = None
+    sites: Sequence[ConvSite],
+    capacity: int,
+    *,
+    batch: int,
+    momentum: bool = False,
+    inner_width: int | None = None,
 ) -> ExpansionCost:
     """The most memory a capacity of c expanded convs can take: the c sites whose full DBBs need the most.
 
@@ -160,7 +193,9 @@ def affordable_capacity(
     best = 0
     top = len(sites) if limit is None else min(limit, len(sites))
     for capacity in range(1, top + 1):
-        memory = _worst(costs, capacity, lambda c: (c.training_bytes(batch, momentum=momentum), c.training_macs))
+        memory = _worst(
+            costs, capacity, lambda c: (c.training_bytes(batch, momentum=momentum), c.training_macs)
+        )
         if memory.training_bytes(batch, momentum=momentum) > spare_bytes:
             break
         if spare_training_macs is not None:

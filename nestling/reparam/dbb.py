@@ -38,8 +38,21 @@ from nestling.reparam.transforms import (
 )
 
 ORIGINAL = "kxk"
-BRANCHES: tuple[str, ...] = ("conv1x1", "conv1x1_kxk", "conv1x1_avg", ORIGINAL, "conv1xk", "convkx1", "identity")
-DBB4_BRANCHES: tuple[str, ...] = ("conv1x1", "conv1x1_kxk", "conv1x1_avg", ORIGINAL)  # Ding et al. 2021 (§7.5)
+BRANCHES: tuple[str, ...] = (
+    "conv1x1",
+    "conv1x1_kxk",
+    "conv1x1_avg",
+    ORIGINAL,
+    "conv1xk",
+    "convkx1",
+    "identity",
+)
+DBB4_BRANCHES: tuple[str, ...] = (
+    "conv1x1",
+    "conv1x1_kxk",
+    "conv1x1_avg",
+    ORIGINAL,
+)  # Ding et al. 2021 (§7.5)
 
 
 @dataclass(frozen=True)
@@ -55,11 +68,17 @@ class ConvGeometry:
 
     def __post_init__(self) -> None:
         if self.kernel_size < 2:
-            raise ValueError(f"a Diverse Branch Block replaces a K×K conv with K >= 2, got K = {self.kernel_size}")
+            raise ValueError(
+                f"a Diverse Branch Block replaces a K×K conv with K >= 2, got K = {self.kernel_size}"
+            )
         if self.stride < 1 or self.padding < 0 or self.groups < 1:
-            raise ValueError(f"bad conv geometry: stride {self.stride}, padding {self.padding}, groups {self.groups}")
+            raise ValueError(
+                f"bad conv geometry: stride {self.stride}, padding {self.padding}, groups {self.groups}"
+            )
         if self.in_channels % self.groups or self.out_channels % self.groups:
-            raise ValueError(f"{self.in_channels}→{self.out_channels} channels do not split into {self.groups} groups")
+            raise ValueError(
+                f"{self.in_channels}→{self.out_channels} channels do not split into {self.groups} groups"
+            )
 
     @classmethod
     def of(cls, conv: nn.Conv2d) -> ConvGeometry:
@@ -73,7 +92,9 @@ class ConvGeometry:
         if tuple(conv.dilation) != (1, 1):
             raise ValueError(f"dilated convs do not expand into a DBB (dilation {conv.dilation})")
         if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-            raise ValueError(f"only explicit zero padding expands into a DBB, got {conv.padding!r} / {conv.padding_mode}")
+            raise ValueError(
+                f"only explicit zero padding expands into a DBB, got {conv.padding!r} / {conv.padding_mode}"
+            )
         ph, pw = conv.padding
         if ph != pw:
             raise ValueError(f"only symmetric padding expands into a DBB, got {conv.padding}")
@@ -99,8 +120,10 @@ class ConvGeometry:
                 self.centred and self.stride == 1 and self.in_channels == self.out_channels
             ):
                 continue
-            if name == "conv1x1_avg" and self.direct_average and (
-                self.in_channels != self.out_channels or self.padding > self.kernel_size // 2
+            if (
+                name == "conv1x1_avg"
+                and self.direct_average
+                and (self.in_channels != self.out_channels or self.padding > self.kernel_size // 2)
             ):
                 continue
             names.append(name)
@@ -134,8 +157,13 @@ class ConvBNBranch(nn.Module):
             half = geometry.kernel_size // 2
             padding = (half if kernel[0] > 1 else 0, half if kernel[1] > 1 else 0)
         self.conv = nn.Conv2d(
-            geometry.in_channels, geometry.out_channels, kernel, geometry.stride, padding,
-            groups=geometry.groups, bias=bias,
+            geometry.in_channels,
+            geometry.out_channels,
+            kernel,
+            geometry.stride,
+            padding,
+            groups=geometry.groups,
+            bias=bias,
         )
         self.bn = nn.BatchNorm2d(geometry.out_channels)
 
@@ -164,13 +192,20 @@ class SequentialBranch(nn.Module):
         g = geometry
         if inner % g.groups:
             raise ValueError(f"inner width {inner} does not split into {g.groups} groups")
-        self.kernel_size, self.stride, self.padding, self.groups = g.kernel_size, g.stride, g.padding, g.groups
+        self.kernel_size, self.stride, self.padding, self.groups = (
+            g.kernel_size,
+            g.stride,
+            g.padding,
+            g.groups,
+        )
         self.conv1 = nn.Conv2d(g.in_channels, inner, 1, groups=g.groups, bias=False)
         self.bn1 = nn.BatchNorm2d(inner)
         self.pool = pool
         self.conv2: nn.Conv2d | None = None
         if not pool:
-            self.conv2 = nn.Conv2d(inner, g.out_channels, g.kernel_size, g.stride, 0, groups=g.groups, bias=False)
+            self.conv2 = nn.Conv2d(
+                inner, g.out_channels, g.kernel_size, g.stride, 0, groups=g.groups, bias=False
+            )
         self.bn2 = nn.BatchNorm2d(g.out_channels)
 
     @property
@@ -204,7 +239,9 @@ class SequentialBranch(nn.Module):
         if self.conv2 is not None:
             second_kernel = self.conv2.weight
         else:
-            second_kernel = avg_pool_kernel(self.bn2.num_features, self.kernel_size, self.groups, like=first[0])
+            second_kernel = avg_pool_kernel(
+                self.bn2.num_features, self.kernel_size, self.groups, like=first[0]
+            )
         zeros = torch.zeros(second_kernel.shape[0], dtype=first[0].dtype, device=first[0].device)
         kernel, bias = fuse_1x1_kxk(first, (second_kernel, zeros), self.groups)
         return fuse_conv_bn(kernel, bias, self.bn2)
@@ -216,7 +253,10 @@ class AveragePoolBranch(nn.Module):
     def __init__(self, geometry: ConvGeometry) -> None:
         super().__init__()
         self.kernel_size, self.stride, self.padding, self.groups = (
-            geometry.kernel_size, geometry.stride, geometry.padding, geometry.groups,
+            geometry.kernel_size,
+            geometry.stride,
+            geometry.padding,
+            geometry.groups,
         )
         self.bn = nn.BatchNorm2d(geometry.out_channels)
 
@@ -249,7 +289,9 @@ class IdentityBranch(nn.Module):
         return self.bn(x)
 
     def equivalent(self) -> KernelBias:
-        kernel = identity_kernel(self.bn.num_features, self.in_per_group, self.kernel_size, like=self.bn.weight)
+        kernel = identity_kernel(
+            self.bn.num_features, self.in_per_group, self.kernel_size, like=self.bn.weight
+        )
         return fuse_conv_bn(kernel, None, self.bn)
 
 
@@ -289,27 +331,37 @@ def checked_branches(geometry: ConvGeometry, branches: Iterable[str] | None) -> 
         raise ValueError(f"unknown DBB branches {unknown} (known: {', '.join(BRANCHES)})")
     missing = sorted(wanted - set(available))
     if missing:
-        raise ValueError(f"branches {missing} are not available for {geometry} (available: {', '.join(available)})")
+        raise ValueError(
+            f"branches {missing} are not available for {geometry} (available: {', '.join(available)})"
+        )
     return tuple(name for name in BRANCHES if name in wanted)
 
 
 class DiverseBranchBlock(nn.Module):
     """A K×K conv re-parameterised as parallel branches; `equivalent()` folds it back (eval mode)."""
 
-    plain_template: nn.Conv2d | None  # kept out of the module tree: not a parameter holder, not in the state dict
+    plain_template: (
+        nn.Conv2d | None
+    )  # kept out of the module tree: not a parameter holder, not in the state dict
 
-    def __init__(self, geometry: ConvGeometry, branches: Iterable[str] | None = None, *,
-                 inner_width: int | None = None) -> None:
+    def __init__(
+        self, geometry: ConvGeometry, branches: Iterable[str] | None = None, *, inner_width: int | None = None
+    ) -> None:
         super().__init__()
         self.geometry = geometry
         self.inner_width = geometry.in_channels if inner_width is None else int(inner_width)
         if self.inner_width < 1:
             raise ValueError(f"inner width must be positive, got {self.inner_width}")
         self.branches = nn.ModuleDict(
-            {name: make_branch(name, geometry, self.inner_width) for name in checked_branches(geometry, branches)}
+            {
+                name: make_branch(name, geometry, self.inner_width)
+                for name in checked_branches(geometry, branches)
+            }
         )
         self.site: Any = None  # set by sites.expand_model: the ConvSite this block stands in for
-        object.__setattr__(self, "plain_template", None)  # the replaced conv on the meta device (not a submodule)
+        object.__setattr__(
+            self, "plain_template", None
+        )  # the replaced conv on the meta device (not a submodule)
 
     @property
     def branch_names(self) -> tuple[str, ...]:
@@ -344,5 +396,7 @@ class DiverseBranchBlock(nn.Module):
 
     def extra_repr(self) -> str:
         g = self.geometry
-        return (f"{g.in_channels}→{g.out_channels}, K={g.kernel_size}, stride={g.stride}, padding={g.padding}, "
-                f"groups={g.groups}, inner={self.inner_width}, branches={list(self.branch_names)}")
+        return (
+            f"{g.in_channels}→{g.out_channels}, K={g.kernel_size}, stride={g.stride}, padding={g.padding}, "
+            f"groups={g.groups}, inner={self.inner_width}, branches={list(self.branch_names)}"
+        )

@@ -22,7 +22,9 @@ LAST_BN_GAMMA = 0.01  # METHODS §5.a.3 step 1: new branches enter at 1% of the 
 RECALIBRATION_ITERATIONS = 20  # METHODS §5.a.7: BN recalibration over 20 local batches
 
 
-def init_branch(branch: nn.Module, generator: torch.Generator | None, last_gamma: float = LAST_BN_GAMMA) -> None:
+def init_branch(
+    branch: nn.Module, generator: torch.Generator | None, last_gamma: float = LAST_BN_GAMMA
+) -> None:
     """A new branch: conv weights ~ N(0, 2/(k_h·k_w·C_out)), biases 0, BN γ=1 β=0 (last BN γ small), fresh stats."""
     with torch.no_grad():
         for module in branch.modules():
@@ -58,7 +60,9 @@ def absorb(dbb: DiverseBranchBlock, kernel: torch.Tensor, bias: torch.Tensor) ->
         bn = original.bn
         bn.weight.fill_(1.0)
         bn.bias.zero_()
-        assert bn.running_mean is not None and bn.running_var is not None and bn.num_batches_tracked is not None
+        assert (
+            bn.running_mean is not None and bn.running_var is not None and bn.num_batches_tracked is not None
+        )
         bn.running_mean.zero_()
         bn.running_var.fill_(1.0 - bn.eps)
         bn.num_batches_tracked.zero_()
@@ -79,9 +83,14 @@ def expand_conv(
     """
     geometry = ConvGeometry.of(conv)
     weight = conv.weight.detach()
-    bias = conv.bias.detach() if conv.bias is not None else torch.zeros(conv.out_channels, dtype=weight.dtype,
-                                                                        device=weight.device)
-    dbb = DiverseBranchBlock(geometry, branches, inner_width=inner_width).to(device=weight.device, dtype=weight.dtype)
+    bias = (
+        conv.bias.detach()
+        if conv.bias is not None
+        else torch.zeros(conv.out_channels, dtype=weight.dtype, device=weight.device)
+    )
+    dbb = DiverseBranchBlock(geometry, branches, inner_width=inner_width).to(
+        device=weight.device, dtype=weight.dtype
+    )
     dbb.train(conv.training)  # the block takes the conv's place, and its mode
     for name in dbb.branch_names:
         if name != ORIGINAL:
@@ -104,12 +113,16 @@ def grow_branches(
     available = dbb.geometry.available_branches()
     missing = [name for name in new if name not in available]
     if missing:
-        raise ValueError(f"branches {missing} are not available for {dbb.geometry} (available: {list(available)})")
+        raise ValueError(
+            f"branches {missing} are not available for {dbb.geometry} (available: {list(available)})"
+        )
     target = dbb.equivalent()
     reference = dbb.original.conv.weight
     order = [name for name in available if name in dbb.branches or name in new]
-    modules = {name: dbb.branches[name] if name in dbb.branches else make_branch(name, dbb.geometry, dbb.inner_width)
-               for name in order}
+    modules = {
+        name: dbb.branches[name] if name in dbb.branches else make_branch(name, dbb.geometry, dbb.inner_width)
+        for name in order
+    }
     for name in new:
         modules[name].to(device=reference.device, dtype=reference.dtype).train(dbb.training)
         init_branch(modules[name], generator, last_gamma)

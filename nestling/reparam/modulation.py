@@ -87,10 +87,16 @@ class ModulationPlan:
         return not (self.grow or self.cut or self.collapse)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"grow": list(self.grow), "cut": {k: list(v) for k, v in self.cut.items()}, "collapse": list(self.collapse)}
+        return {
+            "grow": list(self.grow),
+            "cut": {k: list(v) for k, v in self.cut.items()},
+            "collapse": list(self.collapse),
+        }
 
 
-def released_plan(salience_by_site: Mapping[str, float], capacity: int, sites: Sequence[ConvSite]) -> ModulationPlan:
+def released_plan(
+    salience_by_site: Mapping[str, float], capacity: int, sites: Sequence[ConvSite]
+) -> ModulationPlan:
     """The released code: grow the top-c convs by epoch-0 salience (METHODS §5.a.5 last-but-one bullet)."""
     return ModulationPlan(grow=top_salient(salience_by_site, capacity, sites))
 
@@ -130,14 +136,19 @@ def dymm_plan(
 
 
 def shrink_structure(
-    structure: Mapping[str, Sequence[str]], local: Mapping[str, float], capacity: int, sites: Sequence[ConvSite]
+    structure: Mapping[str, Sequence[str]],
+    local: Mapping[str, float],
+    capacity: int,
+    sites: Sequence[ConvSite],
 ) -> dict[str, tuple[str, ...] | None]:
     """A board that cannot afford last round's structure re-chooses c convs from S^l only (METHODS §5.a.5).
 
     Convs it keeps keep their branch sets; newly chosen ones get every available branch (None).
     """
-    return {name: (tuple(structure[name]) if name in structure else None)
-            for name in top_salient(local, capacity, sites)}
+    return {
+        name: (tuple(structure[name]) if name in structure else None)
+        for name in top_salient(local, capacity, sites)
+    }
 
 
 def current_structure(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -164,5 +175,12 @@ def apply_plan(
     for name in plan.collapse:
         fuse_block(model, name)
     if plan.grow:
-        expand_model(model, sites, dict.fromkeys(plan.grow), batches=batches, iterations=iterations,
-                     generator=generator, inner_width=inner_width)
+        expand_model(
+            model,
+            sites,
+            dict.fromkeys(plan.grow),
+            batches=batches,
+            iterations=iterations,
+            generator=generator,
+            inner_width=inner_width,
+        )

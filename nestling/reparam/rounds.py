@@ -61,7 +61,9 @@ class RoundOutcome:
         }
 
 
-def _train(model: nn.Module, sites: Sequence[ConvSite], train_epoch: TrainEpoch, epochs: int) -> dict[str, float]:
+def _train(
+    model: nn.Module, sites: Sequence[ConvSite], train_epoch: TrainEpoch, epochs: int
+) -> dict[str, float]:
     """Train `epochs` epochs; the salience of the last one (empty if none)."""
     local: dict[str, float] = {}
     for epoch in range(epochs):
@@ -99,8 +101,15 @@ def released_round(
     train_epoch(model, meter.record)
     first = meter.means()
     plan = released_plan(first, capacity, sites)
-    apply_plan(model, sites, plan, batches=calibration, iterations=iterations, generator=generator,
-               inner_width=inner_width)
+    apply_plan(
+        model,
+        sites,
+        plan,
+        batches=calibration,
+        iterations=iterations,
+        generator=generator,
+        inner_width=inner_width,
+    )
     local = _train(model, sites, train_epoch, epochs - 1) or first
     structure = current_structure(model)
     fuse_model(model)
@@ -131,8 +140,16 @@ def paper_round(
 
     def rebuild(structure: Mapping[str, Sequence[str] | None]) -> None:
         """REP(ω_g, ζ): the global model in `structure`, stored branches restored where the board has them."""
-        expand_model(model, sites, structure, batches=calibration, iterations=iterations, generator=generator,
-                     inner_width=inner_width, branch_states={k: v for k, v in kept.items() if k in structure})
+        expand_model(
+            model,
+            sites,
+            structure,
+            batches=calibration,
+            iterations=iterations,
+            generator=generator,
+            inner_width=inner_width,
+            branch_states={k: v for k, v in kept.items() if k in structure},
+        )
 
     global_: dict[str, float] = {}
     if not state.started:
@@ -142,8 +159,10 @@ def paper_round(
     elif capacity < len(state.structure):
         chosen = shrink_structure(state.structure, state.local_salience, capacity, sites)
         rebuild(chosen)
-        plan = ModulationPlan(grow=tuple(n for n in chosen if n not in state.structure),
-                              collapse=tuple(n for n in state.structure if n not in chosen))
+        plan = ModulationPlan(
+            grow=tuple(n for n in chosen if n not in state.structure),
+            collapse=tuple(n for n in state.structure if n not in chosen),
+        )
         remaining = epochs
     else:
         rebuild(state.structure)
@@ -153,15 +172,24 @@ def paper_round(
         redundant = {name: rule.redundant(dbb) for name, dbb in expanded_blocks(model).items()}
         combined = combine_salience(state.local_salience, global_, local_weight)
         plan = dymm_plan(current_structure(model), combined, capacity, sites, redundant)
-        apply_plan(model, sites, plan, batches=calibration, iterations=iterations, generator=generator,
-                   inner_width=inner_width)
+        apply_plan(
+            model,
+            sites,
+            plan,
+            batches=calibration,
+            iterations=iterations,
+            generator=generator,
+            inner_width=inner_width,
+        )
         remaining = epochs - 1
     local = _train(model, sites, train_epoch, remaining) or global_
     structure = current_structure(model)
     state.round = int(round_index)
     state.capacity = int(capacity)
     state.structure = structure
-    state.branches = {name: branch_state(dbb) for name, dbb in expanded_blocks(model).items()} if keep_branches else {}
+    state.branches = (
+        {name: branch_state(dbb) for name, dbb in expanded_blocks(model).items()} if keep_branches else {}
+    )
     state.global_salience = dict(global_)
     state.remember_local(round_index, local)
     fuse_model(model)

@@ -81,7 +81,10 @@ class SalienceMeter:
         """Mean salience per branch of every site that was a DBB while recording."""
         if self.iterations == 0:
             return {}
-        return {name: {b: v / self.iterations for b, v in sums.items()} for name, sums in self._branch_sums.items()}
+        return {
+            name: {b: v / self.iterations for b, v in sums.items()}
+            for name, sums in self._branch_sums.items()
+        }
 
 
 def _score(values: Mapping[str, float], name: str) -> float:
@@ -89,7 +92,9 @@ def _score(values: Mapping[str, float], name: str) -> float:
     return -math.inf if value is None or math.isnan(value) else float(value)
 
 
-def top_salient(salience_by_site: Mapping[str, float], capacity: int, sites: Sequence[ConvSite]) -> tuple[str, ...]:
+def top_salient(
+    salience_by_site: Mapping[str, float], capacity: int, sites: Sequence[ConvSite]
+) -> tuple[str, ...]:
     """The `capacity` sites with the highest signed salience, in forward order.
 
     Ties go to the site nearer the input (the paper's "bottom to top"); sites without a measured

@@ -41,20 +41,26 @@ class ConvSite:
     def to_dict(self) -> dict[str, Any]:
         g = self.geometry
         return {
-            "name": self.name, "order": self.order,
+            "name": self.name,
+            "order": self.order,
             "geometry": [g.in_channels, g.out_channels, g.kernel_size, g.stride, g.padding, g.groups],
-            "input_size": list(self.input_size), "output_size": list(self.output_size),
-            "bias_sink": self.bias_sink, "sink_kind": self.sink_kind,
+            "input_size": list(self.input_size),
+            "output_size": list(self.output_size),
+            "bias_sink": self.bias_sink,
+            "sink_kind": self.sink_kind,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ConvSite:
         try:
             return cls(
-                str(data["name"]), int(data["order"]), ConvGeometry(*(int(v) for v in data["geometry"])),
+                str(data["name"]),
+                int(data["order"]),
+                ConvGeometry(*(int(v) for v in data["geometry"])),
                 (int(data["input_size"][0]), int(data["input_size"][1])),
                 (int(data["output_size"][0]), int(data["output_size"][1])),
-                str(data["bias_sink"]), str(data["sink_kind"]),
+                str(data["bias_sink"]),
+                str(data["sink_kind"]),
             )
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed conv site record {dict(data)!r}: {exc}") from None
@@ -88,7 +94,9 @@ def find_sites(model: nn.Module, input_shape: Sequence[int]) -> list[ConvSite]:
     `input_shape` is one sample's shape, e.g. (3, 32, 32).
     """
     if any(isinstance(m, DiverseBranchBlock) for m in model.modules()):
-        raise ValueError("find_sites needs the plain model: fuse its Diverse Branch Blocks first (fuse_model)")
+        raise ValueError(
+            "find_sites needs the plain model: fuse its Diverse Branch Blocks first (fuse_model)"
+        )
     probe = copy.deepcopy(model).train()
     conv_nodes: dict[str, Any] = {}
     sizes: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
@@ -102,11 +110,13 @@ def find_sites(model: nn.Module, input_shape: Sequence[int]) -> list[ConvSite]:
                 order.append(name)
                 conv_nodes[name] = output.grad_fn
                 sizes[name] = (tuple(inputs[0].shape[2:]), tuple(output.shape[2:]))  # type: ignore[assignment]
+
         return hook
 
     def on_bn(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
             bn_inputs.setdefault(name, inputs[0].grad_fn)
+
         return hook
 
     convs: dict[str, nn.Conv2d] = {}
@@ -143,7 +153,9 @@ def find_sites(model: nn.Module, input_shape: Sequence[int]) -> list[ConvSite]:
                 continue
             kind = found
         (h_in, w_in), (h_out, w_out) = sizes[name]
-        sites.append(ConvSite(name, len(sites), ConvGeometry.of(conv), (h_in, w_in), (h_out, w_out), sink, kind))
+        sites.append(
+            ConvSite(name, len(sites), ConvGeometry.of(conv), (h_in, w_in), (h_out, w_out), sink, kind)
+        )
     return sites
 
 
@@ -205,15 +217,21 @@ def expand_model(
     by_name = {site.name: site for site in sites}
     unknown = sorted(set(structure) - set(by_name))
     if unknown:
-        raise ValueError(f"not expandable convs of this model: {unknown} (sites: {', '.join(by_name) or 'none'})")
+        raise ValueError(
+            f"not expandable convs of this model: {unknown} (sites: {', '.join(by_name) or 'none'})"
+        )
     blocks: dict[str, DiverseBranchBlock] = {}
     targets = []
     for site in sorted((by_name[name] for name in structure), key=lambda s: s.order):
         conv = model.get_submodule(site.name)
         if not isinstance(conv, nn.Conv2d) or isinstance(conv, DiverseBranchBlock):
-            raise ValueError(f"'{site.name}' is a {type(conv).__name__}, not a plain conv: fuse the model first")
+            raise ValueError(
+                f"'{site.name}' is a {type(conv).__name__}, not a plain conv: fuse the model first"
+            )
         if ConvGeometry.of(conv) != site.geometry:
-            raise ValueError(f"'{site.name}' has geometry {ConvGeometry.of(conv)}, the site record says {site.geometry}")
+            raise ValueError(
+                f"'{site.name}' has geometry {ConvGeometry.of(conv)}, the site record says {site.geometry}"
+            )
         dbb = expand_conv(conv, structure[site.name], inner_width=inner_width, generator=generator)
         weight = conv.weight.detach().clone()
         bias = conv.bias.detach().clone() if conv.bias is not None else torch.zeros_like(weight[:, 0, 0, 0])
@@ -233,16 +251,21 @@ def expand_model(
 
 def branch_state(dbb: DiverseBranchBlock) -> dict[str, torch.Tensor]:
     """The non-original branches' parameters and statistics (what a board keeps of its structure ζ_i)."""
-    return {key: value.detach().clone() for key, value in dbb.state_dict().items()
-            if not key.startswith("branches.kxk.")}
+    return {
+        key: value.detach().clone()
+        for key, value in dbb.state_dict().items()
+        if not key.startswith("branches.kxk.")
+    }
 
 
 def _load_branch_state(dbb: DiverseBranchBlock, state: Mapping[str, torch.Tensor], name: str) -> None:
     own = dbb.state_dict()
     expected = {key for key in own if not key.startswith("branches.kxk.")}
     if set(state) != expected:
-        raise ValueError(f"stored branches of '{name}' do not match its structure: "
-                         f"missing {sorted(expected - set(state))}, unexpected {sorted(set(state) - expected)}")
+        raise ValueError(
+            f"stored branches of '{name}' do not match its structure: "
+            f"missing {sorted(expected - set(state))}, unexpected {sorted(set(state) - expected)}"
+        )
     merged = {**own, **{key: value.to(own[key]) for key, value in state.items()}}
     dbb.load_state_dict(merged)
 
@@ -255,7 +278,9 @@ def fuse_block(model: nn.Module, name: str) -> nn.Conv2d:
     site: ConvSite | None = dbb.site
     template = dbb.plain_template
     if site is None or not isinstance(template, nn.Conv2d):
-        raise ValueError(f"the DBB '{name}' was not made by expand_model: fuse it with DiverseBranchBlock.equivalent()")
+        raise ValueError(
+            f"the DBB '{name}' was not made by expand_model: fuse it with DiverseBranchBlock.equivalent()"
+        )
     kernel, bias = dbb.equivalent()
     plain = copy.deepcopy(template).to_empty(device=kernel.device)
     requires_grad = template.weight.requires_grad

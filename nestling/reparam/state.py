@@ -66,7 +66,8 @@ class DynamicState:
             "salience.local": vector(self.local_salience),
             "salience.global": vector(self.global_salience),
             "salience.history": torch.stack([vector(h) for h in self.history])
-            if self.history else torch.zeros(0, len(names), dtype=torch.float64),
+            if self.history
+            else torch.zeros(0, len(names), dtype=torch.float64),
         }
         for site, state in self.branches.items():
             for key, value in state.items():
@@ -97,7 +98,7 @@ class DynamicState:
             branches: dict[str, dict[str, torch.Tensor]] = {}
             for key, value in tensors.items():
                 if key.startswith("branches."):
-                    site, _, inner = key[len("branches."):].partition("/")
+                    site, _, inner = key[len("branches.") :].partition("/")
                     branches.setdefault(site, {})[inner] = value
             state = cls(
                 round=int(metadata["round"]),
@@ -112,7 +113,9 @@ class DynamicState:
         except KeyError as exc:
             raise ValueError(f"DynamicFL state record is missing {exc}") from None
         if len(state.history) != len(state.history_rounds):
-            raise ValueError(f"{len(state.history)} salience history rows for {len(state.history_rounds)} rounds")
+            raise ValueError(
+                f"{len(state.history)} salience history rows for {len(state.history_rounds)} rounds"
+            )
         missing = sorted(set(state.branches) - set(state.structure))
         if missing:
             raise ValueError(f"stored branches for convs outside the structure: {missing}")

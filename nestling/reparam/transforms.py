@@ -99,9 +99,13 @@ def pad_to_square(kernel: torch.Tensor, kernel_size: int) -> torch.Tensor:
     return F.pad(kernel, [pad_w, pad_w, pad_h, pad_h])
 
 
-def identity_kernel(channels: int, in_per_group: int, kernel_size: int, *, like: torch.Tensor) -> torch.Tensor:
+def identity_kernel(
+    channels: int, in_per_group: int, kernel_size: int, *, like: torch.Tensor
+) -> torch.Tensor:
     """(IX, DyRep) the identity as a K×K grouped conv: 1 at the centre of [i, i mod (C/g)]."""
-    kernel = torch.zeros(channels, in_per_group, kernel_size, kernel_size, dtype=like.dtype, device=like.device)
+    kernel = torch.zeros(
+        channels, in_per_group, kernel_size, kernel_size, dtype=like.dtype, device=like.device
+    )
     index = torch.arange(channels, device=like.device)
     centre = kernel_size // 2
     kernel[index, index % in_per_group, centre, centre] = 1.0

@@ -35,6 +35,8 @@ def resnet(arch: str = "resnet20", *, dtype: torch.dtype = torch.float64, seed: 
     return net.eval()
 
 
-def batches(count: int, *, dtype: torch.dtype = torch.float64, seed: int = 1, size: int = 8) -> list[torch.Tensor]:
+def batches(
+    count: int, *, dtype: torch.dtype = torch.float64, seed: int = 1, size: int = 8
+) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(size, 3, 32, 32, generator=generator, dtype=dtype) for _ in range(count)]

@@ -41,7 +41,9 @@ def _macs(module: nn.Module, x: torch.Tensor) -> int:
     def hook(conv: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         nonlocal total
         assert isinstance(conv, nn.Conv2d)
-        total += output[0].numel() * conv.in_channels // conv.groups * conv.kernel_size[0] * conv.kernel_size[1]
+        total += (
+            output[0].numel() * conv.in_channels // conv.groups * conv.kernel_size[0] * conv.kernel_size[1]
+        )
 
     handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, nn.Conv2d)]
     with torch.no_grad():
@@ -53,8 +55,15 @@ def _macs(module: nn.Module, x: torch.Tensor) -> int:
 
 @pytest.mark.parametrize(("geometry", "inner"), GEOMETRIES)
 def test_each_branch_costs_what_a_measured_step_shows(geometry: ConvGeometry, inner: int | None) -> None:
-    plain = nn.Conv2d(geometry.in_channels, geometry.out_channels, geometry.kernel_size, geometry.stride,
-                      geometry.padding, groups=geometry.groups, bias=False)
+    plain = nn.Conv2d(
+        geometry.in_channels,
+        geometry.out_channels,
+        geometry.kernel_size,
+        geometry.stride,
+        geometry.padding,
+        groups=geometry.groups,
+        bias=False,
+    )
     for name in geometry.available_branches():
         block = DiverseBranchBlock(geometry, [name], inner_width=inner).train()
         measured = {}

@@ -14,8 +14,13 @@ from tests.nestling.reparam.reparam_helpers import randomise_norms
 GRID = list(itertools.product([(32, 64), (32, 32)], [3, 5], [1, 2], [1, 2], [None, 48]))
 
 
-def _block(geometry: ConvGeometry, branches: tuple[str, ...] | None, inner: int | None,
-           dtype: torch.dtype, seed: int = 0) -> DiverseBranchBlock:
+def _block(
+    geometry: ConvGeometry,
+    branches: tuple[str, ...] | None,
+    inner: int | None,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> DiverseBranchBlock:
     torch.manual_seed(seed)
     block = DiverseBranchBlock(geometry, branches, inner_width=inner).to(dtype)
     randomise_norms(block, torch.Generator().manual_seed(seed + 1))
@@ -31,8 +36,9 @@ def _fusion_error(block: DiverseBranchBlock, x: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("variant", ["dbb7", "dbb4"])
 @pytest.mark.parametrize(("channels", "kernel_size", "stride", "groups", "inner"), GRID)
-def test_fusion_is_exact_in_float64(variant: str, channels: tuple[int, int], kernel_size: int, stride: int,
-                                    groups: int, inner: int | None) -> None:
+def test_fusion_is_exact_in_float64(
+    variant: str, channels: tuple[int, int], kernel_size: int, stride: int, groups: int, inner: int | None
+) -> None:
     geometry = ConvGeometry(*channels, kernel_size, stride, kernel_size // 2, groups)
     block = _block(geometry, DBB4_BRANCHES if variant == "dbb4" else None, inner, torch.float64)
     if variant == "dbb7":

@@ -23,8 +23,13 @@ from tests.nestling.reparam.reparam_helpers import randomise_norms
 def _small_net(dtype: torch.dtype = torch.float64, *, bias: bool = False, groups: int = 1) -> nn.Sequential:
     """conv → BN → ReLU → conv → BN with realistic statistics, in eval mode."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1, groups=groups, bias=bias), nn.BatchNorm2d(16), nn.ReLU(),
-                        nn.Conv2d(16, 32, 3, 2, 1, bias=bias), nn.BatchNorm2d(32)).to(dtype)
+    net = nn.Sequential(
+        nn.Conv2d(16, 16, 3, 1, 1, groups=groups, bias=bias),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, 2, 1, bias=bias),
+        nn.BatchNorm2d(32),
+    ).to(dtype)
     randomise_norms(net, torch.Generator().manual_seed(0))
     return net.eval()
 

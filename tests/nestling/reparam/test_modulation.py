@@ -40,8 +40,17 @@ def test_cut_rule_needs_spread_and_cuts_weak_branches_below_the_mean() -> None:
     rule = CutRule()
     fresh = _with_gammas({})
     assert rule.redundant(fresh) == ()  # every new branch at 0.01: no spread
-    block = _with_gammas({ORIGINAL: 2.0, "conv1x1": 0.1, "conv1x1_kxk": 0.4, "conv1x1_avg": 0.02,
-                          "conv1xk": 0.3, "convkx1": 0.18, "identity": 0.5})
+    block = _with_gammas(
+        {
+            ORIGINAL: 2.0,
+            "conv1x1": 0.1,
+            "conv1x1_kxk": 0.4,
+            "conv1x1_avg": 0.02,
+            "conv1xk": 0.3,
+            "convkx1": 0.18,
+            "identity": 0.5,
+        }
+    )
     weights = rule.branch_weights(block)
     assert weights["conv1x1"] == pytest.approx(0.05) and weights["identity"] == pytest.approx(0.25)
     assert rule.redundant(block) == ("conv1x1", "conv1x1_avg", "convkx1")  # w < mean and w < 0.1
@@ -57,8 +66,13 @@ def test_combined_salience_is_the_even_mix_and_one_sided_sites_keep_their_value(
 def test_dymm_grows_the_most_salient_collapses_the_rest_and_cuts_marked_branches() -> None:
     sites = _sites("a", "b", "c", "d")
     structure = {"a": ALL, "b": ALL, "c": (ORIGINAL, "conv1x1")}
-    plan = dymm_plan(structure, {"a": 1.0, "b": 3.0, "c": 2.0, "d": 5.0}, 3, sites,
-                     redundant={"b": ("conv1x1", "identity"), "c": ("conv1x1",)})
+    plan = dymm_plan(
+        structure,
+        {"a": 1.0, "b": 3.0, "c": 2.0, "d": 5.0},
+        3,
+        sites,
+        redundant={"b": ("conv1x1", "identity"), "c": ("conv1x1",)},
+    )
     # top-3 = d, b, c; a drops out; c loses its only extra branch and collapses; d grows.
     assert plan == ModulationPlan(grow=("d",), cut={"b": ("conv1x1", "identity")}, collapse=("a", "c"))
     assert dymm_plan({}, {}, 0, sites).empty
@@ -69,7 +83,9 @@ def test_dymm_grows_the_most_salient_collapses_the_rest_and_cuts_marked_branches
 def test_released_plan_and_budget_shrink() -> None:
     sites = _sites("a", "b", "c")
     assert released_plan({"a": 0.1, "b": 0.3, "c": 0.2}, 2, sites).grow == ("b", "c")
-    shrunk = shrink_structure({"a": ALL, "b": (ORIGINAL, "identity")}, {"a": 0.1, "b": 0.3, "c": 0.2}, 1, sites)
+    shrunk = shrink_structure(
+        {"a": ALL, "b": (ORIGINAL, "identity")}, {"a": 0.1, "b": 0.3, "c": 0.2}, 1, sites
+    )
     assert shrunk == {"b": (ORIGINAL, "identity")}
     assert shrink_structure({"a": ALL}, {"c": 1.0}, 1, sites) == {"c": None}
 

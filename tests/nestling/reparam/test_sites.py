@@ -97,13 +97,20 @@ def test_round_trip_plain_dbb_plain_reproduces_the_weights_and_keys() -> None:
     net = resnet()
     before = _snapshot(net)
     sites = find_sites(net, (3, 32, 32))
-    blocks = expand_model(net, sites, {sites[0].name: None, sites[7].name: None, sites[12].name: None},
-                          batches=batches(3), generator=torch.Generator().manual_seed(0))
+    blocks = expand_model(
+        net,
+        sites,
+        {sites[0].name: None, sites[7].name: None, sites[12].name: None},
+        batches=batches(3),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert set(blocks) == {sites[0].name, sites[7].name, sites[12].name}
     assert isinstance(net.get_submodule(sites[7].name), DiverseBranchBlock)
     assert fuse_model(net) == [sites[0].name, sites[7].name, sites[12].name]
     after = _snapshot(net)
-    assert {k: (v.shape, v.dtype) for k, v in after.items()} == {k: (v.shape, v.dtype) for k, v in before.items()}
+    assert {k: (v.shape, v.dtype) for k, v in after.items()} == {
+        k: (v.shape, v.dtype) for k, v in before.items()
+    }
     for key in before:
         assert torch.allclose(after[key], before[key], atol=1e-12, rtol=0), key
     conv = net.get_submodule(sites[7].name)

@@ -17,17 +17,30 @@ from nestling.reparam.state import DynamicState
 
 
 def _state() -> DynamicState:
-    state = DynamicState(round=3, capacity=2, structure={"blocks.0.conv1": ("conv1x1", ORIGINAL)},
-                         global_salience={"blocks.0.conv1": -0.25, "stem.conv": 1e-9},
-                         branches={"blocks.0.conv1": {"branches.conv1x1.conv.weight": torch.randn(4, 4, 1, 1)}})
+    state = DynamicState(
+        round=3,
+        capacity=2,
+        structure={"blocks.0.conv1": ("conv1x1", ORIGINAL)},
+        global_salience={"blocks.0.conv1": -0.25, "stem.conv": 1e-9},
+        branches={"blocks.0.conv1": {"branches.conv1x1.conv.weight": torch.randn(4, 4, 1, 1)}},
+    )
     state.remember_local(2, {"stem.conv": 0.5})
     state.remember_local(3, {"stem.conv": 0.125, "blocks.0.conv1": 3.0})
     return state
 
 
 def _same(a: DynamicState, b: DynamicState) -> None:
-    assert (a.round, a.capacity, a.structure, a.history_rounds) == (b.round, b.capacity, b.structure, b.history_rounds)
-    assert (a.local_salience, a.global_salience, a.history) == (b.local_salience, b.global_salience, b.history)
+    assert (a.round, a.capacity, a.structure, a.history_rounds) == (
+        b.round,
+        b.capacity,
+        b.structure,
+        b.history_rounds,
+    )
+    assert (a.local_salience, a.global_salience, a.history) == (
+        b.local_salience,
+        b.global_salience,
+        b.history,
+    )
     assert a.branches.keys() == b.branches.keys()
     for site in a.branches:
         assert a.branches[site].keys() == b.branches[site].keys()

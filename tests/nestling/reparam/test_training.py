@@ -22,8 +22,10 @@ Data = list[tuple[torch.Tensor, torch.Tensor]]
 
 def _data(count: int = 3, seed: int = 0) -> Data:
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
-            for _ in range(count)]
+    return [
+        (torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+        for _ in range(count)
+    ]
 
 
 def _trainer(data: Data, lr: float = 0.05) -> Callable[[nn.Module, Callable[[], None]], None]:
@@ -56,8 +58,13 @@ def test_resnet20_with_two_expanded_convs_trains_and_fuses_to_the_same_function(
     meter = SalienceMeter(net, sites)
     _trainer(data)(net, meter.record)  # epoch 0 on the plain model, as the released code does
     chosen = top_salient(meter.means(), 2, sites)
-    expand_model(net, sites, dict.fromkeys(chosen), batches=[x for x, _ in data],
-                 generator=torch.Generator().manual_seed(0))
+    expand_model(
+        net,
+        sites,
+        dict.fromkeys(chosen),
+        batches=[x for x, _ in data],
+        generator=torch.Generator().manual_seed(0),
+    )
     assert len(expanded_blocks(net)) == 2
     train_epoch = _trainer(data)
     for _ in range(3):
@@ -92,8 +99,15 @@ def test_released_round_with_capacity_zero_is_plain_local_training() -> None:
 def test_released_round_grows_the_top_convs_and_returns_the_plain_model() -> None:
     net, sites = _global()
     shapes = _shapes(net)
-    outcome = released_round(net, sites, 2, 2, _trainer(_data()), calibration=[x for x, _ in _data(2, seed=5)],
-                             generator=torch.Generator().manual_seed(0))
+    outcome = released_round(
+        net,
+        sites,
+        2,
+        2,
+        _trainer(_data()),
+        calibration=[x for x, _ in _data(2, seed=5)],
+        generator=torch.Generator().manual_seed(0),
+    )
     assert len(outcome.structure) == 2 and all(len(b) == 7 or len(b) == 6 for b in outcome.structure.values())
     assert outcome.plan.grow == tuple(outcome.structure)
     assert set(outcome.local_salience) == {s.name for s in sites}
@@ -108,20 +122,23 @@ def test_paper_protocol_keeps_structure_across_rounds_and_shrinks_with_the_budge
     data, calibration = _data(), [x for x, _ in _data(2, seed=5)]
     generator = torch.Generator().manual_seed(0)
 
-    first = paper_round(net, sites, state, 2, 2, _trainer(data), round_index=0, calibration=calibration,
-                        generator=generator)
+    first = paper_round(
+        net, sites, state, 2, 2, _trainer(data), round_index=0, calibration=calibration, generator=generator
+    )
     assert tuple(first.structure) == (sites[0].name, sites[1].name)  # round 0: bottom to top
     assert state.round == 0 and set(state.branches) == set(first.structure) and first.global_salience == {}
     assert _shapes(net) == shapes and expanded_blocks(net) == {}
 
     state = DynamicState.from_store(state.to_store())  # as the agent's state file would keep it
-    second = paper_round(net, sites, state, 2, 2, _trainer(data), round_index=1, calibration=calibration,
-                         generator=generator)
+    second = paper_round(
+        net, sites, state, 2, 2, _trainer(data), round_index=1, calibration=calibration, generator=generator
+    )
     assert len(second.structure) <= 2 and set(second.global_salience) == {s.name for s in sites}
     assert state.history_rounds == [0, 1] and state.structure == second.structure
 
-    third = paper_round(net, sites, state, 1, 2, _trainer(data), round_index=2, calibration=calibration,
-                        generator=generator)
+    third = paper_round(
+        net, sites, state, 1, 2, _trainer(data), round_index=2, calibration=calibration, generator=generator
+    )
     assert len(third.structure) == 1 and third.global_salience == {}  # budget shrink: S^l only, no DYMM
     assert tuple(third.structure) == top_salient(second.local_salience, 1, sites)
     assert _shapes(net) == shapes and current_structure(net) == {}

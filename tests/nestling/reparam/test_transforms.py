@@ -29,7 +29,9 @@ TOL = 1e-5
 
 
 def _x(channels: int, side: int = 11, seed: int = 0) -> torch.Tensor:
-    return torch.randn(2, channels, side, side, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.randn(
+        2, channels, side, side, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
 
 
 def _fused_output(branch: nn.Module, x: torch.Tensor, geometry: ConvGeometry) -> torch.Tensor:
@@ -53,7 +55,9 @@ def test_conv_bn_fusion_transform_I(groups: int) -> None:
     assert (F.conv2d(x, kernel, bias, 2, 1, 1, groups) - expected).abs().max() <= TOL
 
 
-@pytest.mark.parametrize(("groups", "inner", "kernel_size", "stride"), [(1, 8, 3, 1), (2, 12, 3, 2), (2, 8, 5, 1)])
+@pytest.mark.parametrize(
+    ("groups", "inner", "kernel_size", "stride"), [(1, 8, 3, 1), (2, 12, 3, 2), (2, 8, 5, 1)]
+)
 def test_one_by_one_then_kxk_transform_III_IV_pads_with_the_first_bias(
     groups: int, inner: int, kernel_size: int, stride: int
 ) -> None:
@@ -63,7 +67,9 @@ def test_one_by_one_then_kxk_transform_III_IV_pads_with_the_first_bias(
     k2 = torch.randn(6, inner // groups, kernel_size, kernel_size, generator=generator, dtype=torch.float64)
     b2 = torch.randn(6, generator=generator, dtype=torch.float64)
     x, pad = _x(8), kernel_size // 2
-    middle = pad_with_border(F.conv2d(x, k1, b1, groups=groups), b1, pad)  # a zero pixel becomes b1 after the 1×1
+    middle = pad_with_border(
+        F.conv2d(x, k1, b1, groups=groups), b1, pad
+    )  # a zero pixel becomes b1 after the 1×1
     expected = F.conv2d(middle, k2, b2, stride, 0, 1, groups)
     kernel, bias = fuse_1x1_kxk((k1, b1), (k2, b2), groups)
     assert (F.conv2d(x, kernel, bias, stride, pad, 1, groups) - expected).abs().max() <= TOL
@@ -106,7 +112,9 @@ def test_bn_zero_response_is_the_bn_output_of_the_preceding_bias() -> None:
     prev = torch.randn(5, dtype=torch.float64)
     expected = bn(prev.reshape(1, 5, 1, 1)).reshape(5)
     assert torch.allclose(bn_zero_response(bn, prev), expected, atol=1e-12)
-    assert torch.allclose(bn_zero_response(bn, None), bn(torch.zeros(1, 5, 1, 1, dtype=torch.float64)).reshape(5))
+    assert torch.allclose(
+        bn_zero_response(bn, None), bn(torch.zeros(1, 5, 1, 1, dtype=torch.float64)).reshape(5)
+    )
 
 
 @pytest.mark.parametrize(("groups", "stride"), [(1, 1), (2, 2), (8, 1)])
