@@ -9,12 +9,10 @@ Run (in the background; ~25 min per method):
 
 from __future__ import annotations
 
-from pathlib import Path
-
-
 import argparse
 import json
 import time
+from pathlib import Path
 
 from nestling.config import load_config
 from nestling.simulator.run import run_simulation

@@ -13,26 +13,25 @@ One run on this CPU, everything timed side by side (interleaved, same thread cou
 
 from __future__ import annotations
 
-import os
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-
 import numpy as np
 import torch
 
+from nestling.config import config_from_dict
 from nestling.export.ort_bench import latency_table, ort_runner, ort_session
 from nestling.export.parity import Runner
 from nestling.export.pipeline import ExportData, ExportOptions, export_target, load_export_data
 from nestling.export.reference import reference_model
 from nestling.export.source import open_checkpoint
 from nestling.export.standalone import plan_outputs, reference_outputs
-from nestling.config import config_from_dict
 from nestling.server.checkpoint import latest_checkpoint
 from nestling.simulator.run import run_simulation
 

@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 REPO = Path(__file__).resolve().parents[1]
 FLEET = "fidelity"
 DEFAULT_MIX = "rpi4:1"

@@ -14,7 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from nestling.config import config_from_dict
 from nestling.simulator.generate import DEFAULT_MIX, generate_fleet
 from nestling.simulator.run import run_simulation

@@ -35,16 +35,16 @@ from nestling.fleet_transfers import Inbound, Outbound
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
-from nestling.spec import SubmodelSpec
-from nestling.wire.client import connect_and_wait, make_client
-from nestling.wire.codec import CHUNK_KIND, decode_message, read_header
-from nestling.wire.topics import OFFLINE, QOS, FleetTopics
 from nestling.server.broker import find_free_port, mosquitto_binary, start_mosquitto
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundPolicy
 from nestling.server.mqtt_transport import MqttTransport, TransportSettings
 from nestling.server.registry import DeviceRegistry
 from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.spec import SubmodelSpec
+from nestling.wire.client import connect_and_wait, make_client
+from nestling.wire.codec import CHUNK_KIND, decode_message, read_header
+from nestling.wire.topics import OFFLINE, QOS, FleetTopics
 
 FLEET = "bench"
 REPO = Path(__file__).resolve().parents[1]

@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-
 import torch
 import torch.nn.functional as F
 

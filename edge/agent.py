@@ -350,7 +350,9 @@ class Agent:
     def _export_and_report(self, order: ExportOrder, session: str) -> None:
         """Build this board's deployable from the final weights (edge/board_export.py), then report it.
         Runs on the worker thread: heartbeats go on (state "exporting") while ONNX / TensorRT build."""
-        from nestling.edge.board_export import export_on_board  # onnx / onnxruntime load only on a board that exports
+        from nestling.edge.board_export import (
+            export_on_board,  # onnx / onnxruntime load only on a board that exports
+        )
 
         self.state = "exporting"
         self._heartbeat()

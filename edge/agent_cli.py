@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
+from nestling.data import load_dataset, make_partition
 from nestling.edge.agent import Agent
 from nestling.edge.agent_config import AgentConfig, DataSection, DeviceSection, load_agent_config
 from nestling.edge.emulation import EmulationTarget
 from nestling.edge.procedures import ClientData
 from nestling.edge.service import UNIT_NAME, write_unit
-from nestling.data import load_dataset, make_partition
 from nestling.errors import ConfigError, NestlingError
 
 _PARTITION_OPTIONS = {"dirichlet": ("alpha",), "balanced-dirichlet": ("alpha",), "scalefl": ("alpha",)}

@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nestling.data import load_dataset
 from nestling.edge.agent_config import DataSection
 from nestling.edge.export_settings import ExportSection
+from nestling.errors import DependencyError, NestlingError, SpecError
+from nestling.eval_target import EvalTarget
 from nestling.export.bundle import MANIFEST_NAME, read_bundle
 from nestling.export.options import ExportData, ExportOptions, load_export_data
 from nestling.export.tensorrt_build import TensorRTConfig, require_tensorrt
-from nestling.data import load_dataset
-from nestling.eval_target import EvalTarget
-from nestling.errors import DependencyError, NestlingError, SpecError
 from nestling.fleet_export import ExportOrder, ExportReport, cut
 from nestling.hashing import sha256_file
 from nestling.spec import SubmodelSpec
@@ -135,7 +135,9 @@ def export_on_board(order: ExportOrder, settings: ExportSection, *, fleet: str, 
             building = out.with_name(f".{out.name}.building-{os.getpid()}")
             shutil.rmtree(building, ignore_errors=True)
             try:
-                from nestling.export.pipeline import export_target  # torch + onnx: imported when a board exports
+                from nestling.export.pipeline import (
+                    export_target,  # torch + onnx: imported when a board exports
+                )
 
                 export_target(target, building, data=images, options=options, source=source)
             except BaseException:

@@ -17,9 +17,9 @@ import math
 import torch
 from torch import nn
 
+from nestling.errors import SpecError
 from nestling.export.fold import ChannelAffine, conv_like
 from nestling.export.standalone import StandaloneNet
-from nestling.errors import SpecError
 
 
 def aligned(channels: int, multiple: int) -> int:

@@ -116,10 +116,10 @@ def export_main(argv: list[str]) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # Heavy imports only once the arguments are known to be well-formed.
+    from nestling.errors import ConfigError
     from nestling.export.pipeline import ExportOptions, export_target, load_export_data
     from nestling.export.source import load_spec_file, open_checkpoint, select_target
     from nestling.export.tensorrt_build import TensorRTConfig, require_tensorrt
-    from nestling.errors import ConfigError
 
     if args.format == "tensorrt" and not args.list:
         require_tensorrt()  # the one clear line before any other work

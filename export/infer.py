@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from nestling.export.bundle import read_bundle
 from nestling.errors import DataError, DependencyError, NestlingError
+from nestling.export.bundle import read_bundle
 
 
 @dataclass

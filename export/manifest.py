@@ -6,10 +6,10 @@ import datetime as _dt
 from typing import Any
 
 import nestling
+from nestling.eval_target import EvalTarget
 from nestling.export.onnx_export import INPUT_NAME, OnnxResult
 from nestling.export.options import ExportData, ExportOptions
 from nestling.export.standalone import OutputPlan
-from nestling.eval_target import EvalTarget
 
 
 def _outputs(plan: OutputPlan) -> list[dict[str, Any]]:

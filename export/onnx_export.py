@@ -10,8 +10,8 @@ from pathlib import Path
 import onnx
 import torch
 
-from nestling.export.standalone import StandaloneNet
 from nestling.errors import DependencyError, SpecError
+from nestling.export.standalone import StandaloneNet
 
 DEFAULT_OPSET = 17
 INPUT_NAME = "input"

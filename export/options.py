@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nestling.data import DatasetBundle, load_dataset, stratified_sample
+from nestling.errors import ConfigError
 from nestling.export.onnx_export import DEFAULT_OPSET
 from nestling.export.quantize import Int8Options
 from nestling.export.tensorrt_build import TensorRTConfig
-from nestling.data import DatasetBundle, load_dataset, stratified_sample
-from nestling.errors import ConfigError
 
 FORMATS = ("onnx", "tensorrt")
 

@@ -10,6 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from nestling.data import DatasetBundle
+from nestling.errors import ConfigError, DataError, SpecError
+from nestling.eval_target import EvalTarget
 from nestling.export.align import align_channels, alignable
 from nestling.export.bundle import write_bundle
 from nestling.export.calibration import CalibrationBatches
@@ -23,11 +26,8 @@ from nestling.export.reference import reference_model
 from nestling.export.source import open_checkpoint, select_target
 from nestling.export.standalone import OutputPlan, build_standalone, plan_outputs, reference_outputs
 from nestling.export.tensorrt_build import EngineRunner, build_engine, require_tensorrt
-from nestling.data import DatasetBundle
-from nestling.errors import ConfigError, DataError, SpecError
 from nestling.models.net import ScalableNet
 from nestling.spec import SubmodelSpec
-from nestling.eval_target import EvalTarget
 
 __all__ = ["ExportData", "ExportOptions", "export_submodel", "export_target", "load_export_data"]
 

@@ -13,9 +13,9 @@ from dataclasses import replace
 import torch
 
 from nestling.errors import ConfigError
+from nestling.eval_target import EvalTarget
 from nestling.models.net import ScalableNet
 from nestling.server.evaluation import Evaluator
-from nestling.eval_target import EvalTarget
 
 
 def needs_calibration(target: EvalTarget) -> bool:

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import ConfigError, SpecError
-from nestling.slicing import check_compatible, extract
-from nestling.spec import SubmodelSpec
+from nestling.eval_target import EvalTarget
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
 from nestling.server.strategies import Strategy, StrategyContext, create_strategy
-from nestling.eval_target import EvalTarget
+from nestling.slicing import check_compatible, extract
+from nestling.spec import SubmodelSpec
 
 
 @dataclass

@@ -48,7 +48,7 @@ def read_table(cls: type[T], name: str, table: Any) -> T:
         allowed = tuple(get_origin(t) or t for t in options if t is not type(None))  # list[str] -> list
         if float in allowed and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
             kinds = " or ".join(t.__name__ for t in allowed)
             raise ConfigError(f"[{name}] {key} must be {kinds}, got {value!r}")
         values[key] = value

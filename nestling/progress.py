@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from types import TracebackType
-
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 
@@ -23,7 +29,7 @@ class RoundProgress:
         self.title = title
         self.task_id: Any = None
 
-    def __enter__(self) -> "RoundProgress":
+    def __enter__(self) -> RoundProgress:
         self.progress.__enter__()
         self.task_id = self.progress.add_task(self.title, total=self.rounds, status="")
         return self

@@ -83,7 +83,7 @@ class SubmodelSpec:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SubmodelSpec":
+    def from_dict(cls, data: dict[str, Any]) -> SubmodelSpec:
         try:
             return cls(
                 model=ModelConfig.from_dict(data["model"]),
@@ -100,7 +100,7 @@ class SubmodelSpec:
             raise SpecError(f"malformed submodel spec: {exc}") from None
 
     @classmethod
-    def full(cls, model: ModelConfig) -> "SubmodelSpec":
+    def full(cls, model: ModelConfig) -> SubmodelSpec:
         """The global model itself: every block, every exit, the head."""
         return cls(model=model, exits=model.exit_points)
 

@@ -16,9 +16,9 @@ from rich.table import Table
 from nestling.errors import NestlingError
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import known_models
-from nestling.spec import SubmodelSpec
 from nestling.profiler.device import device_info
 from nestling.profiler.measure import profile_model
+from nestling.spec import SubmodelSpec
 
 MIB = 2 ** 20
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nestling.errors import ConfigError
-from nestling.spec import SubmodelSpec
 from nestling.profiler.estimator import ModelCost, estimate, training_memory
+from nestling.spec import SubmodelSpec
 
 DEFAULT_TOLERANCE = 0.05  # any τ in [0.036, 0.14) reproduces the reference's hard-coded stages (§3.a.2)
 

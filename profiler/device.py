@@ -111,7 +111,7 @@ def _from_jtop() -> dict[str, Any] | None:
         with jtop() as jetson:
             stats = dict(jetson.stats)
             mode = str(getattr(jetson, "nvpmodel", "")) or None
-    except Exception:  # noqa: BLE001 - jtop raises its own types when its service is down; profile without it
+    except Exception:
         return None
     return {"source": "jetson-stats", "nvpmodel": mode,
             "temperatures_c": {k[5:]: v for k, v in stats.items() if k.startswith("Temp ") and isinstance(v, (int, float))},

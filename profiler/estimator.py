@@ -14,8 +14,8 @@ from functools import lru_cache
 from typing import Any
 
 from nestling.errors import ConfigError
-from nestling.spec import SubmodelSpec
 from nestling.profiler.walk import Walk
+from nestling.spec import SubmodelSpec
 
 FLOAT = 4
 

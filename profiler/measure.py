@@ -15,7 +15,6 @@ from torch import nn
 from nestling.errors import ConfigError
 from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
-from nestling.spec import SubmodelSpec
 from nestling.profiler.memory import (
     SavedTensorMeter,
     gradient_bytes,
@@ -25,6 +24,7 @@ from nestling.profiler.memory import (
     return_freed_memory_to_os,
     rss_bytes,
 )
+from nestling.spec import SubmodelSpec
 
 SCHEMA = "nestling.profile/1"
 

@@ -46,7 +46,7 @@ class SavedTensorMeter:
     def _unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def __enter__(self) -> SavedTensorMeter:  # noqa: PYI034 - Self needs Python 3.11
+    def __enter__(self) -> SavedTensorMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

@@ -11,9 +11,9 @@ import numpy as np
 from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
-from nestling.spec import SubmodelSpec
 from nestling.profiler.decompose import DEFAULT_TOLERANCE, DepthCosts, StagePlan
 from nestling.profiler.estimator import ModelCost, estimate
+from nestling.spec import SubmodelSpec
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ class EmbeddedBroker:
         if not thread.is_alive():
             loop.close()
 
-    def __enter__(self) -> EmbeddedBroker:  # noqa: PYI034 - Self needs Python 3.11
+    def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
     def __exit__(

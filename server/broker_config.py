@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
+import grp
 import hashlib
 import ipaddress
 import json
-import grp
 import os
 import pwd
 import secrets

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nestling.fleet_export import ExportOrder, ExportReport
-from nestling.slicing import extract
 from nestling.server.registry import DeviceRecord
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.slicing import extract
 
 NO_REPORT, NOT_REQUESTED, OFFLINE = "no report", "not requested", "offline"
 

@@ -11,8 +11,8 @@ from nestling.models.cost import count_macs, count_parameters
 from nestling.models.layers import Scaler, SlimBatchNorm2d, set_active_width
 from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
-from nestling.spec import SubmodelSpec
 from nestling.server.strategies.base import EvalTarget
+from nestling.spec import SubmodelSpec
 
 
 @dataclass

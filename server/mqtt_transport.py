@@ -37,6 +37,18 @@ from nestling.fleet_messages import (
 )
 from nestling.fleet_transfers import Inbound, Outbound
 from nestling.messages import Result, Task
+from nestling.server.clock import Clock
+from nestling.server.deployables import ExportLedger
+from nestling.server.fleet_admission import (
+    Dispatched,
+    RecentKeys,
+    check_result,
+    unsolicited_reason,
+    wire_reason,
+)
+from nestling.server.registry import DeviceRegistry
+from nestling.server.strategies.base import DeviceInfo
+from nestling.server.transport import Delivery
 from nestling.wire.chunking import DEFAULT_CHUNK_SIZE
 from nestling.wire.client import connect_and_wait
 from nestling.wire.codec import (
@@ -48,12 +60,6 @@ from nestling.wire.codec import (
 )
 from nestling.wire.topics import HELLO, OFFLINE, QOS, STATUS, FleetTopics, parse_topic
 from nestling.wire.topics import RESULT as RESULT_CHANNEL
-from nestling.server.clock import Clock
-from nestling.server.deployables import ExportLedger
-from nestling.server.fleet_admission import Dispatched, RecentKeys, check_result, unsolicited_reason, wire_reason
-from nestling.server.registry import DeviceRegistry
-from nestling.server.strategies.base import DeviceInfo
-from nestling.server.transport import Delivery
 
 log = logging.getLogger("nestling.mqtt")
 

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from nestling.errors import ConfigError
-from nestling.spec import SubmodelSpec
 from nestling.profiler.estimator import estimate
 from nestling.profiler.planner import (
     DeviceBudget,
@@ -22,6 +21,7 @@ from nestling.profiler.planner import (
     scalefl_level_specs,
     scalefl_memory_levels,
 )
+from nestling.spec import SubmodelSpec
 
 FAMILY_METHODS = ("nefl-w", "nefl-d", "nefl-wd", "heterofl", "fjord")
 DEPTH_METHODS = ("fedepth", "m-fedepth")
@@ -30,7 +30,7 @@ PLANNABLE = (*FAMILY_METHODS, "scalefl", *DEPTH_METHODS)
 
 def _strategy(method: str, arch: str, shape: tuple[int, int, int], classes: int, clients: int, batch: int,
               options: dict[str, Any]) -> Any:
-    from nestling.server.strategies import StrategyContext, create_strategy  # noqa: PLC0415
+    from nestling.server.strategies import StrategyContext, create_strategy
 
     ctx = StrategyContext(arch=arch, num_classes=classes, in_channels=shape[0], image_size=shape[1],
                           num_clients=max(1, clients), total_rounds=1,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import multiprocessing as mp
 import os
 from collections.abc import Callable

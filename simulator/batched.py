@@ -25,8 +25,8 @@ from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
-from nestling.spec import SubmodelSpec
 from nestling.simulator.grouped import GroupedClients, groupable, per_client_clip, per_client_cross_entropy
+from nestling.spec import SubmodelSpec
 
 BATCHABLE_PROCEDURES = ("sgd",)
 _HP_PER_CLIENT = ("seed", "label_set")

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from nestling.edge.procedures import ClientData
 from nestling.data import DatasetBundle, load_dataset, make_partition
+from nestling.edge.procedures import ClientData
 
 
 def device_id(index: int) -> str:

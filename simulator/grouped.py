@@ -14,7 +14,6 @@ few, larger kernels (and that autocast and channels-last apply to as to any mode
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import cast
 
 import torch

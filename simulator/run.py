@@ -19,7 +19,13 @@ from nestling.server.run_report import plot_accuracy, read_metrics, summarise, w
 from nestling.server.screening import robust_policy
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo
-from nestling.simulator.backend import Backend, DataProvider, DeviceStoreSide, InProcessBackend, ProcessPoolBackend
+from nestling.simulator.backend import (
+    Backend,
+    DataProvider,
+    DeviceStoreSide,
+    InProcessBackend,
+    ProcessPoolBackend,
+)
 from nestling.simulator.batched import BatchPolicy
 from nestling.simulator.fleetdata import FleetData, device_id, device_index, load_fleet_data
 from nestling.simulator.inprocess import InProcessTransport

@@ -16,7 +16,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from nestling.edge.emulation import ANY_MODEL  # noqa: F401 - the trace format's "every model" key, defined once
+from nestling.edge.emulation import ANY_MODEL
 from nestling.errors import ConfigError
 
 

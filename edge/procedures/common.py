@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nestling.edge.procedures.registry import ClientData
 from nestling.data.augment import augment_batch
+from nestling.edge.procedures.registry import ClientData
 
 
 def make_optimizer(params: list[nn.Parameter], hp: dict[str, Any]) -> torch.optim.Optimizer:

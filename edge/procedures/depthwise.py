@@ -26,7 +26,13 @@ from nestling.errors import ConfigError
 from nestling.models.layers import SlimBatchNorm2d, SlimLayerNorm, SlimLinear
 from nestling.models.net import ScalableNet
 from nestling.profiler.decompose import StagePlan
-from nestling.profiler.memory import SavedTensorMeter, gradient_bytes, model_tensors, optimizer_bytes, tensor_bytes
+from nestling.profiler.memory import (
+    SavedTensorMeter,
+    gradient_bytes,
+    model_tensors,
+    optimizer_bytes,
+    tensor_bytes,
+)
 
 log = logging.getLogger("nestling.procedures")
 

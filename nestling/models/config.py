@@ -60,7 +60,7 @@ class ModelConfig:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
@@ -71,5 +71,5 @@ class ModelConfig:
         values["extra"] = dict(values.get("extra", {}))
         return cls(**values)
 
-    def with_(self, **changes: Any) -> "ModelConfig":
+    def with_(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from nestling.models.config import ModelConfig
-from nestling.models.layers import Scaler, SlimBatchNorm2d, SlimConv2d, SlimLayerNorm, SlimLinear, kept_channels
+from nestling.models.layers import (
+    Scaler,
+    SlimBatchNorm2d,
+    SlimConv2d,
+    SlimLayerNorm,
+    SlimLinear,
+    kept_channels,
+)
 
 
 @dataclass(frozen=True)

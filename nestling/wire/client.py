@@ -6,9 +6,9 @@ import socket
 import ssl
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 

@@ -35,5 +35,12 @@ def create_strategy(method: str, ctx: StrategyContext) -> Strategy:
     return cls(ctx)
 
 
-__all__ = ["DeviceInfo", "EvalTarget", "STRATEGIES", "Strategy", "StrategyContext", "create_strategy",
-           "register_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "DeviceInfo",
+    "EvalTarget",
+    "Strategy",
+    "StrategyContext",
+    "create_strategy",
+    "register_strategy",
+]

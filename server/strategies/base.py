@@ -12,14 +12,14 @@ import torch
 
 from nestling.aggregation import Contribution, masked_mean
 from nestling.errors import ConfigError, SpecError
-from nestling.eval_target import EvalTarget  # noqa: F401 - strategies and export import it from here
+from nestling.eval_target import EvalTarget
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
+from nestling.profiler.planner import device_memory_budget, member_for_budget
 from nestling.schedule import LrSchedule
 from nestling.slicing import check_result_tensors, extract, slices_for
 from nestling.spec import SubmodelSpec
-from nestling.profiler.planner import device_memory_budget, member_for_budget
 
 
 @dataclass
@@ -63,7 +63,7 @@ class StrategyContext:
                 "model_extra": dict(self.model_extra), "dataset": self.dataset}
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> "StrategyContext":
+    def from_record(cls, record: dict[str, Any]) -> StrategyContext:
         known = {"arch", "num_classes", "in_channels", "image_size", "num_clients", "total_rounds", "seed", "local",
                  "options", "model_extra", "dataset"}
         return cls(**{k: v for k, v in record.items() if k in known})

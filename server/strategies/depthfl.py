@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-
 from typing import Any, ClassVar
 
 import torch
@@ -12,8 +11,8 @@ from nestling.aggregation import masked_mean
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
-from nestling.spec import SubmodelSpec
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.spec import SubmodelSpec
 
 
 def stage_ends(arch: str, image_size: int, extra: dict | None = None) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from nestling.messages import Result
-from nestling.spec import SubmodelSpec
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.spec import SubmodelSpec
 
 
 class FedAvg(Strategy):

@@ -10,11 +10,17 @@ from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.family import family_of
 from nestling.models.zoo import block_infos
-from nestling.spec import SubmodelSpec
-from nestling.profiler.decompose import DepthCosts, StagePlan, depth_costs, depth_costs_from_profile, width_budget
+from nestling.profiler.decompose import (
+    DepthCosts,
+    StagePlan,
+    depth_costs,
+    depth_costs_from_profile,
+    width_budget,
+)
 from nestling.profiler.estimator import estimate
 from nestling.profiler.planner import device_memory_budget
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.spec import SubmodelSpec
 
 # METHODS §3.a.1 (FeDepth paper §Experiments): width ratios r, a quarter of the clients each (tier = ⌊4i/N⌋).
 # A budget is R(r), the training memory of the ×r-width model; r = 2 means room for two full models.

@@ -6,9 +6,9 @@ from typing import Any, ClassVar
 
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
-from nestling.spec import SubmodelSpec, width_from_param_fraction
-from nestling.server.strategies.nefl_presets import PARAM_FRACTIONS
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.nefl_presets import PARAM_FRACTIONS
+from nestling.spec import SubmodelSpec, width_from_param_fraction
 
 
 class FjORD(Strategy):

@@ -9,9 +9,9 @@ import torch
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
-from nestling.spec import SubmodelSpec, width_from_param_fraction
-from nestling.server.strategies.nefl_presets import PARAM_FRACTIONS
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.nefl_presets import PARAM_FRACTIONS
+from nestling.spec import SubmodelSpec, width_from_param_fraction
 
 RATE_LETTERS = {"a": 1.0, "b": 0.5, "c": 0.25, "d": 0.125, "e": 0.0625}
 

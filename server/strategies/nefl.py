@@ -11,11 +11,11 @@ from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
-from nestling.slicing import extract, roles_for, slices_for
-from nestling.spec import SubmodelSpec
 from nestling.profiler.planner import device_memory_budget
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.server.strategies.nefl_presets import nefl_family
+from nestling.slicing import extract, roles_for, slices_for
+from nestling.spec import SubmodelSpec
 
 
 class NeFL(Strategy):

@@ -9,9 +9,9 @@ import numpy as np
 from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
-from nestling.spec import SubmodelSpec
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.server.strategies.scalefl_split import Level, explicit_levels, search_levels
+from nestling.spec import SubmodelSpec
 
 
 class ScaleFL(Strategy):

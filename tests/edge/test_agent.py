@@ -22,14 +22,14 @@ from nestling.fleet_messages import (
     encode_task,
 )
 from nestling.fleet_transfers import Inbound
+from nestling.server.broker import EmbeddedBroker
+from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.server.strategies.base import DeviceInfo
 from nestling.spec import SubmodelSpec
 from nestling.wire.chunking import decode_chunk_request, encode_chunk_request, split_into_chunks
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, CHUNK_REQUEST_KIND, decode_message, read_header
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics, parse_topic
-from nestling.server.broker import EmbeddedBroker
-from nestling.server.strategies import StrategyContext, create_strategy
-from nestling.server.strategies.base import DeviceInfo
 
 FLEET = "edge"
 DEVICE = "board-7"

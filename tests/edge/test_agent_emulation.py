@@ -23,16 +23,16 @@ from nestling.fleet_messages import (
     encode_task,
 )
 from nestling.fleet_transfers import Inbound
-from nestling.wire.chunking import split_into_chunks
-from nestling.wire.client import connect_and_wait, make_client
-from nestling.wire.codec import CHUNK_KIND, decode_message, read_header
-from nestling.wire.topics import QOS, FleetTopics, parse_topic
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo
 from nestling.simulator.catalogue import BOARDS, get_board
 from nestling.simulator.durations import TraceDurations
 from nestling.simulator.traces import DeviceTrace, save_traces
+from nestling.wire.chunking import split_into_chunks
+from nestling.wire.client import connect_and_wait, make_client
+from nestling.wire.codec import CHUNK_KIND, decode_message, read_header
+from nestling.wire.topics import QOS, FleetTopics, parse_topic
 
 FLEET = "emul"
 DEVICE = "slow-1"

@@ -15,14 +15,12 @@ from nestling.edge.agent_config import DataSection, agent_config_from_dict
 from nestling.edge.board_export import export_on_board, replace_folder
 from nestling.edge.export_settings import ExportSection
 from nestling.edge.procedures import ClientData
+from nestling.errors import ConfigError
 from nestling.export.bundle import read_bundle
 from nestling.export.infer import BundleRunner
 from nestling.export.tensorrt_build import _cuda_available
-from nestling.errors import ConfigError
 from nestling.fleet_export import ExportOrder
 from nestling.hashing import sha256_file
-from nestling.wire.client import make_client
-from nestling.wire.topics import OFFLINE, FleetTopics
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.clock import WallClock
 from nestling.server.deployables import export_orders
@@ -30,6 +28,8 @@ from nestling.server.mqtt_transport import MqttTransport, TransportSettings
 from nestling.server.registry import DeviceRegistry
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo
+from nestling.wire.client import make_client
+from nestling.wire.topics import OFFLINE, FleetTopics
 
 torch.set_num_threads(1)
 DIGITS = DataSection(dataset="digits")

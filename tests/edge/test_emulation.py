@@ -9,9 +9,9 @@ from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.cost import count_macs
 from nestling.models.zoo import build
-from nestling.spec import SubmodelSpec
 from nestling.simulator.catalogue import get_board
 from nestling.simulator.traces import DeviceTrace
+from nestling.spec import SubmodelSpec
 
 
 class Sleeps(list):

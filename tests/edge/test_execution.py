@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nestling.edge.execution import apply_memory_format, task_precision
 from nestling.config import load_config
+from nestling.edge.execution import apply_memory_format, task_precision
 from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
@@ -41,8 +41,8 @@ def test_a_forward_under_bf16_sees_the_weights_as_they_are_now_not_as_first_cast
 def test_bf16_local_training_follows_fp32_training() -> None:
     from dataclasses import replace
 
-    from nestling.edge.trainer import run_task
     from nestling.edge.procedures import ClientData
+    from nestling.edge.trainer import run_task
     from nestling.server.strategies import StrategyContext, create_strategy
     from nestling.server.strategies.base import DeviceInfo
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import io
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from nestling.export.pipeline import ExportData
 from nestling.data import load_dataset
+from nestling.export.pipeline import ExportData
 from nestling.models.layers import SlimBatchNorm2d
 from nestling.models.zoo import build
 from nestling.server.checkpoint import save_checkpoint

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from nestling.errors import SpecError
 from nestling.export.align import align_channels, alignable, aligned
 from nestling.export.standalone import build_standalone, plan_outputs
-from nestling.errors import SpecError
 from nestling.models import ModelConfig, build
 from nestling.spec import SubmodelSpec
 

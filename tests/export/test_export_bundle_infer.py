@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from nestling.errors import DataError
 from nestling.export.bundle import read_bundle
 from nestling.export.infer import BundleRunner, infer_main
 from nestling.export.pipeline import ExportData, ExportOptions, export_submodel
 from nestling.export.reference import reference_model
 from nestling.export.source import open_checkpoint, select_target
-from nestling.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from nestling.errors import SpecError
 from nestling.export.fold import bn_affine, fold_conv, scale_affine, scaler_factor
 from nestling.export.standalone import build_standalone, plan_outputs, reference_outputs
-from nestling.errors import SpecError
 from nestling.models import ModelConfig, build, set_active_width
 from nestling.models.layers import Scaler, SlimBatchNorm2d
 from nestling.spec import SubmodelSpec

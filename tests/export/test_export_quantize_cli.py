@@ -8,14 +8,14 @@ from pathlib import Path
 import onnx
 import pytest
 
+from nestling.config import config_from_dict
+from nestling.errors import ConfigError
 from nestling.export.bundle import read_bundle
 from nestling.export.cli import export_main
 from nestling.export.pipeline import ExportData, ExportOptions, export_submodel
 from nestling.export.quantize import Int8Options
-from nestling.config import config_from_dict
-from nestling.errors import ConfigError
-from nestling.spec import SubmodelSpec
 from nestling.simulator.run import run_simulation
+from nestling.spec import SubmodelSpec
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nestling.export.source import context_from_manifest, open_checkpoint, select_target
 from nestling.errors import ConfigError, SpecError
+from nestling.export.source import context_from_manifest, open_checkpoint, select_target
 from nestling.models import ModelConfig
 from nestling.spec import SubmodelSpec
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nestling.errors import ConfigError, DataError, DependencyError
 from nestling.export import tensorrt_build
 from nestling.export.calibration import CalibrationBatches
 from nestling.export.cli import export_main
 from nestling.export.pipeline import ExportOptions, export_submodel
 from nestling.export.tensorrt_build import TENSORRT_HINT, TensorRTConfig, require_tensorrt, trtexec_command
-from nestling.errors import ConfigError, DataError, DependencyError
 
 
 def test_config_validates_precision_batches_and_builder() -> None:

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from nestling.errors import ConfigError
 from nestling.models import ModelConfig
-from nestling.spec import SubmodelSpec
 from nestling.profiler.decompose import (
     PAPER_BLOCK_MB,
     PAPER_WIDTH_MB,
@@ -20,6 +19,7 @@ from nestling.profiler.decompose import (
 )
 from nestling.profiler.estimator import training_memory
 from nestling.profiler.measure import profile_model
+from nestling.spec import SubmodelSpec
 
 
 def blocks(*numbers: int) -> tuple[int, ...]:

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from nestling.models import ModelConfig, build
 from nestling.models.cost import count_macs, count_parameters
-from nestling.spec import SubmodelSpec
 from nestling.profiler.estimator import estimate, training_memory
 from nestling.profiler.measure import profile_model
+from nestling.spec import SubmodelSpec
 
 
 def measured_activations(spec: SubmodelSpec, batch: int) -> tuple[dict[str, int], int]:

@@ -10,10 +10,10 @@ import torch
 from nestling.edge.procedures import ClientData
 from nestling.edge.procedures.depthwise import measure_stage_peaks
 from nestling.models import build
-from nestling.spec import SubmodelSpec
 from nestling.profiler.decompose import StagePlan
 from nestling.profiler.measure import profile_model
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
+from nestling.spec import SubmodelSpec
 
 BATCH = 32
 

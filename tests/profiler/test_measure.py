@@ -8,8 +8,8 @@ import pytest
 
 from nestling.errors import ConfigError
 from nestling.models import ModelConfig, build
-from nestling.spec import SubmodelSpec
 from nestling.profiler.measure import latency_summary, model_parts, profile_model
+from nestling.spec import SubmodelSpec
 
 
 def test_a_profile_covers_every_part_with_latency_and_a_memory_split(tiny_spec: SubmodelSpec) -> None:

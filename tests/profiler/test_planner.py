@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from nestling.models import ModelConfig
-from nestling.spec import SubmodelSpec
 from nestling.profiler.decompose import full_model_costs, width_budget
 from nestling.profiler.estimator import estimate
 from nestling.profiler.planner import (
@@ -21,6 +20,7 @@ from nestling.profiler.planner import (
     scalefl_level_specs,
     scalefl_memory_levels,
 )
+from nestling.spec import SubmodelSpec
 
 MIB = 2**20
 MODEL = ModelConfig("resnet20", norm_stats="batch")

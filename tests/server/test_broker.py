@@ -12,6 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from nestling.server.broker import (
+    EmbeddedBroker,
+    find_free_port,
+    mosquitto_binary,
+    start_mosquitto,
+    wait_for_port,
+)
 from nestling.wire.chunking import (
     ChunkAssembler,
     ChunkCache,
@@ -22,7 +29,6 @@ from nestling.wire.chunking import (
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import decode_message, encode_message, read_header
 from nestling.wire.topics import QOS, FleetTopics
-from nestling.server.broker import EmbeddedBroker, find_free_port, mosquitto_binary, start_mosquitto, wait_for_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,6 @@ import pytest
 from cryptography import x509
 
 from nestling.errors import ConfigError
-from nestling.wire.client import TlsFiles, connect_and_wait, make_client, read_credentials
-from nestling.wire.topics import QOS, FleetTopics
 from nestling.server.broker import find_free_port, mosquitto_binary, start_mosquitto, wait_for_port
 from nestling.server.broker_config import (
     _broker_account,
@@ -22,6 +20,8 @@ from nestling.server.broker_config import (
     mosquitto_password_hash,
     write_broker_config,
 )
+from nestling.wire.client import TlsFiles, connect_and_wait, make_client, read_credentials
+from nestling.wire.topics import QOS, FleetTopics
 from tests.server.broker_folders import broker_folder
 
 needs_mosquitto = pytest.mark.skipif(

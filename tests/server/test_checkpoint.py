@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from nestling.errors import ConfigError
-from nestling.server.checkpoint import latest_checkpoint, load_checkpoint, load_checkpoint_side, save_checkpoint
+from nestling.server.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_checkpoint_side,
+    save_checkpoint,
+)
 
 
 def tensors(value: float) -> dict[str, torch.Tensor]:

@@ -17,15 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from nestling.export.infer import infer_main
 from nestling.data import load_dataset
+from nestling.export.infer import infer_main
 from nestling.fleet_export import ExportReport, decode_export_order, encode_export_report
 from nestling.fleet_transfers import Inbound
 from nestling.hashing import sha256_file
-from nestling.wire.chunking import encode_chunk_request
-from nestling.wire.client import make_client
-from nestling.wire.codec import CHUNK_KIND, decode_message, encode_message, read_header
-from nestling.wire.topics import OFFLINE, FleetTopics
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.clock import WallClock
 from nestling.server.deployables import export_orders
@@ -34,6 +30,10 @@ from nestling.server.fleet_config import load_fleet_config
 from nestling.server.mqtt_transport import MqttTransport, TransportSettings
 from nestling.server.registry import DeviceRegistry
 from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.wire.chunking import encode_chunk_request
+from nestling.wire.client import make_client
+from nestling.wire.codec import CHUNK_KIND, decode_message, encode_message, read_header
+from nestling.wire.topics import OFFLINE, FleetTopics
 from tests.server.fleet_harness import FakeDevice, agent_toml, fleet_toml, spawn, stop_all
 
 FLEET = "export-e2e"

@@ -11,16 +11,16 @@ import torch
 
 from nestling.fleet_messages import DeviceStatus, encode_hello, encode_result, encode_status
 from nestling.messages import Result, Task
-from nestling.wire.chunking import encode_chunk_request, split_into_chunks
-from nestling.wire.client import connect_and_wait, make_client
-from nestling.wire.codec import CHUNK_KIND, encode_message, pack_frame
-from nestling.wire.topics import OFFLINE, QOS, FleetTopics
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundPolicy
 from nestling.server.mqtt_transport import MqttTransport, TransportSettings
 from nestling.server.registry import DeviceRegistry
 from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.wire.chunking import encode_chunk_request, split_into_chunks
+from nestling.wire.client import connect_and_wait, make_client
+from nestling.wire.codec import CHUNK_KIND, encode_message, pack_frame
+from nestling.wire.topics import OFFLINE, QOS, FleetTopics
 from tests.server.fleet_harness import FakeDevice, echo_result, state_copy, wait_until
 
 FLEET = "fuzz"

@@ -11,14 +11,14 @@ import torch
 
 from nestling.fleet_messages import DeviceStatus, encode_hello, encode_result, encode_status
 from nestling.messages import Task
-from nestling.wire.client import make_client
-from nestling.wire.codec import pack_frame, read_header
-from nestling.wire.topics import OFFLINE, FleetTopics
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.clock import WallClock
 from nestling.server.mqtt_transport import MqttTransport, TransportSettings
 from nestling.server.registry import DeviceRegistry
 from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.wire.client import make_client
+from nestling.wire.codec import pack_frame, read_header
+from nestling.wire.topics import OFFLINE, FleetTopics
 from tests.server.fleet_harness import FakeDevice, echo_result
 
 torch.set_num_threads(1)

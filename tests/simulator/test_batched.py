@@ -11,9 +11,9 @@ from nestling.errors import ConfigError
 from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
-from nestling.spec import SubmodelSpec
 from nestling.simulator.backend import InProcessBackend, balanced_jobs, split_jobs
 from nestling.simulator.batched import BatchPolicy, batch_key, run_tasks, train_batched
+from nestling.spec import SubmodelSpec
 
 MODEL = ModelConfig("tinycnn", num_classes=5, in_channels=3, image_size=8)
 

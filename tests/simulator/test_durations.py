@@ -10,9 +10,9 @@ from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.cost import count_macs
 from nestling.models.zoo import build
-from nestling.spec import SubmodelSpec
 from nestling.simulator.durations import TraceDurations, payload_bytes, samples_trained
 from nestling.simulator.traces import ANY_MODEL, DeviceTrace
+from nestling.spec import SubmodelSpec
 
 MODEL = ModelConfig("tinycnn", num_classes=4, in_channels=3, image_size=8)
 SHAPE = (3, 8, 8)

@@ -10,9 +10,9 @@ from nestling.edge.trainer import run_task
 from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
-from nestling.spec import SubmodelSpec
 from nestling.simulator.batched import train_batched
 from nestling.simulator.grouped import GroupedClients, NotGroupable, groupable
+from nestling.spec import SubmodelSpec
 
 
 def client_data(seed: int, n: int = 16) -> ClientData:

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.robustness import ATTACKS
 from nestling.config import config_from_dict
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
 from nestling.simulator.run import run_simulation
-from benchmarks.robustness import ATTACKS
 
 
-def tiny(method: str = "fedavg", **run: object):  # noqa: ANN201 - a SimConfig
+def tiny(method: str = "fedavg", **run: object):
     return config_from_dict({
         "run": {"rounds": 2, "seed": 3, "workers": 1, "eval_every": 2, "quorum": 0.6, **run},
         "data": {"dataset": "digits", "clients": 4, "limit_train": 400, "limit_test": 100},

@@ -13,8 +13,8 @@ from nestling.edge.procedures import ClientData, DeviceStore, get_procedure
 from nestling.edge.procedures.depthwise import AUX_KEY, fresh_auxiliary, mutual_loss, run_stages, skip_link
 from nestling.models import ModelConfig, build
 from nestling.models.net import ScalableNet
-from nestling.spec import SubmodelSpec
 from nestling.profiler.decompose import StagePlan
+from nestling.spec import SubmodelSpec
 
 torch.set_num_threads(1)
 

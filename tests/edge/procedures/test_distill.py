@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from nestling.edge.procedures import ClientData, DeviceStore, get_procedure
-from nestling.edge.procedures.distill import depthfl_kd_weight, depthfl_loss, scalefl_exit_weights, scalefl_loss
+from nestling.edge.procedures.distill import (
+    depthfl_kd_weight,
+    depthfl_loss,
+    scalefl_exit_weights,
+    scalefl_loss,
+)
 from nestling.models import ModelConfig, build
 from nestling.spec import SubmodelSpec
 

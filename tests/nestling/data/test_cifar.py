@@ -84,7 +84,7 @@ def test_torchvision_cifar100_layout(tmp_path: Path, tiny_cifar) -> None:
         (folder / name).write_bytes(pickle.dumps(batch, protocol=4))
     bundle = load_dataset("cifar100", folder)  # root may also be the pickle folder itself
     assert bundle.num_classes == 100 and len(bundle.class_names) == 100
-    assert CIFAR100_CLASSES == sorted(CIFAR100_CLASSES) and CIFAR100_CLASSES[-1] == "worm"
+    assert sorted(CIFAR100_CLASSES) == CIFAR100_CLASSES and CIFAR100_CLASSES[-1] == "worm"
     assert sorted(set(bundle.train.y.tolist())) == [9 * k for k in range(10)]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from nestling.errors import ConfigError
+from nestling.server.broker import EmbeddedBroker
 from nestling.wire.client import (
     BrokerAddress,
     TlsFiles,
@@ -18,7 +19,6 @@ from nestling.wire.client import (
     read_credentials,
 )
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
-from nestling.server.broker import EmbeddedBroker
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from nestling.edge.procedures.registry import DeviceStore
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
-from nestling.spec import SubmodelSpec
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo
+from nestling.spec import SubmodelSpec
 
 
 def test_client_term_starts_at_zero_and_updates_h() -> None:

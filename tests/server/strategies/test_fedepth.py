@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from nestling.config import config_from_dict
 from nestling.edge.procedures import ClientData, DeviceStore
 from nestling.edge.trainer import run_task
-from nestling.config import config_from_dict
 from nestling.errors import ConfigError
-from nestling.spec import SubmodelSpec
 from nestling.profiler.decompose import StagePlan
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.server.strategies.fedepth import BUDGET_PRESETS
+from nestling.spec import SubmodelSpec
 
 torch.set_num_threads(1)
 

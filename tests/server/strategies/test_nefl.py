@@ -15,12 +15,12 @@ from nestling.edge.trainer import run_task
 from nestling.messages import Result, Task
 from nestling.models import ModelConfig, build
 from nestling.models.cost import count_parameters
-from nestling.slicing import scatter
-from nestling.spec import SubmodelSpec
 from nestling.server.strategies import DeviceInfo, create_strategy
 from nestling.server.strategies import nefl as nefl_module
 from nestling.server.strategies.nefl import NeFL
 from nestling.server.strategies.nefl_presets import nefl_family
+from nestling.slicing import scatter
+from nestling.spec import SubmodelSpec
 
 NUM_BLOCKS = 9  # resnet20
 
@@ -298,8 +298,8 @@ def test_checkpoint_state_round_trips_consistent_weights_and_every_store(make_ct
 def test_nefl_do_initial_steps_count_the_skipped_blocks_after_each_kept_block() -> None:
     """§2.a.1: stage mask 1,8,0,0,0,0,0,0,0 style — a kept block followed by m skipped blocks starts at 1 + m."""
     from nestling.models.config import ModelConfig
-    from nestling.spec import SubmodelSpec
     from nestling.server.strategies.nefl import do_initial_steps
+    from nestling.spec import SubmodelSpec
 
     # resnet56: three stages of nine blocks; keep blocks 0 and 1 of stage 1 only, the first of stages 2 and 3.
     spec = SubmodelSpec(ModelConfig("resnet56"), blocks=(0, 1, 9, 18))

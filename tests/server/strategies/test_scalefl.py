@@ -11,10 +11,10 @@ import torch
 from nestling.errors import ConfigError
 from nestling.models import ModelConfig, build, kept_channels
 from nestling.models.cost import count_parameters
-from nestling.spec import SubmodelSpec
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.server.strategies.scalefl import ScaleFL
 from nestling.server.strategies.scalefl_split import search_levels
+from nestling.spec import SubmodelSpec
 
 NUM_BLOCKS = 9
 BASE = ModelConfig("resnet20", num_classes=4, image_size=8, exit_kind="scalefl", scaler="always", norm_stats="batch",
