@@ -22,10 +22,22 @@ DEFAULT_METHODS = ("nefl-wd", "fjord", "heterofl")
 
 def config_for(method: str, args: argparse.Namespace, rounds: int, model: str) -> dict:
     overrides = {
-        "method.name": method, "model.arch": model, "data.dataset": "cifar10", "data.root": args.data_root,
-        "data.partition": "dirichlet", "data.alpha": 0.5, "data.clients": 100, "train.fraction": 0.1,
-        "train.local_epochs": 1, "train.batch_size": 32, "train.lr": 0.1, "train.schedule": "step",
-        "run.rounds": rounds, "run.eval_every": 0, "run.checkpoint_every": 0, "run.seed": args.seed,
+        "method.name": method,
+        "model.arch": model,
+        "data.dataset": "cifar10",
+        "data.root": args.data_root,
+        "data.partition": "dirichlet",
+        "data.alpha": 0.5,
+        "data.clients": 100,
+        "train.fraction": 0.1,
+        "train.local_epochs": 1,
+        "train.batch_size": 32,
+        "train.lr": 0.1,
+        "train.schedule": "step",
+        "run.rounds": rounds,
+        "run.eval_every": 0,
+        "run.checkpoint_every": 0,
+        "run.seed": args.seed,
     }
     if method in ("fedepth", "m-fedepth"):
         overrides["method.budgets"] = "fair"
@@ -36,11 +48,15 @@ def run_method(method: str, args: argparse.Namespace, out_root: Path) -> dict:
     model = "preresnet20" if method in ("fedepth", "m-fedepth") or args.preresnet else args.model
     if args.rounds:  # equal rounds for every method: the fair comparison when round costs differ
         started = time.perf_counter()
-        summary = run_simulation(load_config(None, config_for(method, args, args.rounds, model)), out_root / method)
+        summary = run_simulation(
+            load_config(None, config_for(method, args, args.rounds, model)), out_root / method
+        )
         summary["bench_minutes"] = (time.perf_counter() - started) / 60
         return summary
-    probe = run_simulation(load_config(None, {**config_for(method, args, 1, model), "data.limit_test": 500}),
-                           out_root / f"{method}-probe")
+    probe = run_simulation(
+        load_config(None, {**config_for(method, args, 1, model), "data.limit_test": 500}),
+        out_root / f"{method}-probe",
+    )
     per_round = probe["train_seconds"] + 1.0
     rounds = max(2, int(args.minutes * 60 / per_round))
     print(f"{method}: one round took {per_round:.1f}s → {rounds} rounds in {args.minutes} min", flush=True)
@@ -57,8 +73,12 @@ def main() -> None:
     parser.add_argument("--model", default="resnet20")
     parser.add_argument("--preresnet", action="store_true", help="use PreResNet-20 for every method")
     parser.add_argument("--minutes", type=float, default=25.0)
-    parser.add_argument("--rounds", type=int, default=0,
-                        help="run exactly this many rounds per method instead of a time budget")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="run exactly this many rounds per method instead of a time budget",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-cifar10"))
     args = parser.parse_args()
@@ -68,7 +88,9 @@ def main() -> None:
         figures[f"{method}_worst"] = summary["worst_accuracy"]
         figures[f"{method}_avg"] = summary["avg_accuracy"]
         table = ", ".join(f"{s['name']} {100 * s['accuracy']:.2f}%" for s in summary["submodels"])
-        print(f"{method}: {summary['rounds']} rounds, {summary['bench_minutes']:.1f} min; {table}", flush=True)
+        print(
+            f"{method}: {summary['rounds']} rounds, {summary['bench_minutes']:.1f} min; {table}", flush=True
+        )
         (args.out / "figures.json").write_text(json.dumps(figures, indent=1))
     print(" ".join(f"{k}={100 * v:.2f}" for k, v in figures.items()))
 

@@ -98,8 +98,13 @@ def eager_runner(target: Any, data: ExportData) -> Runner:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-root", default=os.environ.get("NESTLING_DATA_ROOT", str(Path(__file__).resolve().parents[2] / "shared" / "data")),
-                        help="folder with cifar10/ (default: $NESTLING_DATA_ROOT, else ../shared/data beside the repo)")
+    parser.add_argument(
+        "--data-root",
+        default=os.environ.get(
+            "NESTLING_DATA_ROOT", str(Path(__file__).resolve().parents[2] / "shared" / "data")
+        ),
+        help="folder with cifar10/ (default: $NESTLING_DATA_ROOT, else ../shared/data beside the repo)",
+    )
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bench-export"))
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--clients", type=int, default=10)

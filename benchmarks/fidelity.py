@@ -101,18 +101,27 @@ def parse_agent_log(text: str) -> dict[int, dict[str, float]]:
     rounds = {}
     for match in AGENT_LINE.finditer(text):
         values = [float(v) for v in match.groups()[2:]]
-        rounds[int(match.group(1))] = dict(zip(("down_s", "compute_s", "host_s", "up_s", "slept_s", "overrun_s"),
-                                               values, strict=True))
+        rounds[int(match.group(1))] = dict(
+            zip(("down_s", "compute_s", "host_s", "up_s", "slept_s", "overrun_s"), values, strict=True)
+        )
     return rounds
 
 
-def table(rows: Sequence[RoundError], devices: Mapping[int, Sequence[str]], slowest: Mapping[int, str],
-          overrun: Mapping[int, float]) -> str:
-    lines = ["| round | devices | simulated (s) | fleet (s) | error | slowest device (simulated) | host overrun (s) |",
-             "|---|---|---|---|---|---|---|"]
+def table(
+    rows: Sequence[RoundError],
+    devices: Mapping[int, Sequence[str]],
+    slowest: Mapping[int, str],
+    overrun: Mapping[int, float],
+) -> str:
+    lines = [
+        "| round | devices | simulated (s) | fleet (s) | error | slowest device (simulated) | host overrun (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        lines.append(f"| {row.round} | {len(devices.get(row.round, ()))} | {row.simulated_s:.3f} | {row.fleet_s:.3f} | "
-                     f"{row.error:+.3f} | {slowest.get(row.round, '?')} | {overrun.get(row.round, 0.0):.3f} |")
+        lines.append(
+            f"| {row.round} | {len(devices.get(row.round, ()))} | {row.simulated_s:.3f} | {row.fleet_s:.3f} | "
+            f"{row.error:+.3f} | {slowest.get(row.round, '?')} | {overrun.get(row.round, 0.0):.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -121,13 +130,26 @@ def shared_config(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """What both worlds run: the same method, seed, participation, deadline and quorum."""
     fraction = (a.per_round + 0.5) / a.devices  # floor(fraction * devices) == per_round, free of rounding
     return {
-        "run": {"rounds": a.rounds, "seed": a.seed, "over_selection": 1.0, "quorum": 1.0,
-                "deadline_s": a.deadline, "eval_every": 1, "checkpoint_every": a.rounds},
+        "run": {
+            "rounds": a.rounds,
+            "seed": a.seed,
+            "over_selection": 1.0,
+            "quorum": 1.0,
+            "deadline_s": a.deadline,
+            "eval_every": 1,
+            "checkpoint_every": a.rounds,
+        },
         "data": {"dataset": a.dataset},
         "model": {"arch": a.model},
         "method": {"name": a.method},
-        "train": {"fraction": fraction, "local_epochs": a.local_epochs, "batch_size": a.batch, "lr": a.lr,
-                  "momentum": 0.9, "schedule": "constant"},
+        "train": {
+            "fraction": fraction,
+            "local_epochs": a.local_epochs,
+            "batch_size": a.batch,
+            "lr": a.lr,
+            "momentum": 0.9,
+            "schedule": "constant",
+        },
     }
 
 
@@ -140,8 +162,13 @@ def run_simulator(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[st
     from nestling.simulator.run import run_simulation
 
     shared = shared_config(a)
-    cfg = config_from_dict({**shared, "run": {**shared["run"], "traces": str(trace_path), "workers": 1},
-                            "data": {**shared["data"], "clients": a.devices, "partition": "iid"}})
+    cfg = config_from_dict(
+        {
+            **shared,
+            "run": {**shared["run"], "traces": str(trace_path), "workers": 1},
+            "data": {**shared["data"], "clients": a.devices, "partition": "iid"},
+        }
+    )
     started = time.perf_counter()
     run_simulation(cfg, out)
     timeline = read_jsonl(out / "timeline.jsonl")
@@ -154,8 +181,12 @@ def run_simulator(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[st
         took = row["ends_at"] - row["dispatched_at"]
         if took > slowest.get(row["round"], (-1.0, ""))[0]:
             slowest[row["round"]] = (took, f"{row['device_id']} ({row['device_class']})")
-    return {"durations": round_durations(read_jsonl(out / "metrics.jsonl")), "devices": devices,
-            "slowest": {r: name for r, (_, name) in slowest.items()}, "seconds": time.perf_counter() - started}
+    return {
+        "durations": round_durations(read_jsonl(out / "metrics.jsonl")),
+        "devices": devices,
+        "slowest": {r: name for r, (_, name) in slowest.items()},
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def toml_tables(tables: Mapping[str, Mapping[str, Any]]) -> str:
@@ -166,8 +197,10 @@ def toml_tables(tables: Mapping[str, Mapping[str, Any]]) -> str:
             return json.dumps(v)
         return repr(v)
 
-    return "".join(f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in table.items() if v is not None) + "\n"
-                   for name, table in tables.items())
+    return "".join(
+        f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in table.items() if v is not None) + "\n"
+        for name, table in tables.items()
+    )
 
 
 def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: Path) -> dict[str, Any]:
@@ -179,18 +212,28 @@ def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: 
     url = f"mqtt://127.0.0.1:{port}"
     broker_table = {"url": url, "fleet": FLEET}
     shared = shared_config(a)
-    (work / "fleet.toml").write_text(toml_tables({
-        "broker": broker_table,
-        "fleet": {"devices": a.devices, "registration_timeout_s": 300.0, "heartbeat_timeout_s": 60.0},
-        "run": {**shared["run"], "out_dir": "fleet"}, "data": shared["data"], "model": shared["model"],
-        "method": shared["method"], "train": shared["train"]}))
+    (work / "fleet.toml").write_text(
+        toml_tables(
+            {
+                "broker": broker_table,
+                "fleet": {"devices": a.devices, "registration_timeout_s": 300.0, "heartbeat_timeout_s": 60.0},
+                "run": {**shared["run"], "out_dir": "fleet"},
+                "data": shared["data"],
+                "model": shared["model"],
+                "method": shared["method"],
+                "train": shared["train"],
+            }
+        )
+    )
     processes: list[subprocess.Popen] = []
     logs = []
 
     def start(name: str, argv: list[str]) -> subprocess.Popen:
         log = (work / f"{name}.log").open("wb")
         logs.append(log)
-        process = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, *argv], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         processes.append(process)
         return process
 
@@ -201,18 +244,41 @@ def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: 
             raise RuntimeError(f"the embedded broker did not come up; see {work / 'broker.log'}")
         for i, trace in enumerate(traces):
             config = work / f"agent-{i}.toml"
-            config.write_text(toml_tables({
-                "broker": broker_table,
-                "device": {"id": device_id(i), "memory_budget_mb": trace.memory_budget_bytes / 2**20},
-                "data": {"dataset": a.dataset, "client_index": i, "num_clients": a.devices, "seed": a.seed,
-                         "partition": "iid"},
-                "agent": {"heartbeat_s": 2.0}}))
-            start(f"agent-{i}", ["-m", "nestling.edge.agent_cli", "--config", str(config), "--emulate-trace", str(trace_path),
-                                 "--emulate-device", trace.device_id])
+            config.write_text(
+                toml_tables(
+                    {
+                        "broker": broker_table,
+                        "device": {"id": device_id(i), "memory_budget_mb": trace.memory_budget_bytes / 2**20},
+                        "data": {
+                            "dataset": a.dataset,
+                            "client_index": i,
+                            "num_clients": a.devices,
+                            "seed": a.seed,
+                            "partition": "iid",
+                        },
+                        "agent": {"heartbeat_s": 2.0},
+                    }
+                )
+            )
+            start(
+                f"agent-{i}",
+                [
+                    "-m",
+                    "nestling.edge.agent_cli",
+                    "--config",
+                    str(config),
+                    "--emulate-trace",
+                    str(trace_path),
+                    "--emulate-device",
+                    trace.device_id,
+                ],
+            )
         # Let the agents finish starting (imports, data, warm-up) before the server's first round begins.
         give_up = time.monotonic() + 300
-        while not all("connected and registered" in (work / f"agent-{i}.log").read_text(errors="replace")
-                      for i in range(len(traces))):
+        while not all(
+            "connected and registered" in (work / f"agent-{i}.log").read_text(errors="replace")
+            for i in range(len(traces))
+        ):
             if time.monotonic() > give_up:
                 raise RuntimeError(f"agents did not all connect within 300 s; see {work}")
             time.sleep(0.5)
@@ -238,9 +304,13 @@ def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: 
         for r, figures in parse_agent_log((work / f"agent-{i}.log").read_text(errors="replace")).items():
             emulation.setdefault(r, {})[device_id(i)] = figures
     summary = json.loads((out / "summary.json").read_text())
-    return {"durations": round_durations(read_jsonl(out / "metrics.jsonl")), "emulation": emulation,
-            "emulated": summary.get("emulated", {}), "agents_ready_s": agents_ready,
-            "seconds": time.perf_counter() - started}
+    return {
+        "durations": round_durations(read_jsonl(out / "metrics.jsonl")),
+        "emulation": emulation,
+        "emulated": summary.get("emulated", {}),
+        "agents_ready_s": agents_ready,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=20)
     parser.add_argument("--per-round", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--mix", default=DEFAULT_MIX, help="board classes of the trace (catalogue names: weights)")
+    parser.add_argument(
+        "--mix", default=DEFAULT_MIX, help="board classes of the trace (catalogue names: weights)"
+    )
     parser.add_argument("--model", default="resnet20")
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--method", default="fedavg")
@@ -256,8 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--deadline", type=float, default=120.0)
-    parser.add_argument("--seed", type=int, default=6, help="seed of the trace, partitions, selection and training")
-    parser.add_argument("--settle", type=float, default=3.0, help="seconds between the agents' start and the server's")
+    parser.add_argument(
+        "--seed", type=int, default=6, help="seed of the trace, partitions, selection and training"
+    )
+    parser.add_argument(
+        "--settle", type=float, default=3.0, help="seconds between the agents' start and the server's"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="give the fleet run up to this long")
     parser.add_argument("--out", type=Path, help="keep the trace, both runs and every log here")
     a = parser.parse_args(argv)
@@ -276,18 +352,30 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare(sim["durations"], fleet["durations"])
     fleet_devices = {r: sorted(by_device) for r, by_device in fleet["emulation"].items()}
     same = all(sorted(sim["devices"].get(r, [])) == fleet_devices.get(r, []) for r in sim["durations"])
-    overrun = {r: max((f["overrun_s"] for f in by_device.values()), default=0.0)
-               for r, by_device in fleet["emulation"].items()}
+    overrun = {
+        r: max((f["overrun_s"] for f in by_device.values()), default=0.0)
+        for r, by_device in fleet["emulation"].items()
+    }
     classes = sorted({e["class"] for e in fleet["emulated"].values()})
-    print(f"trace: {a.devices} devices ({a.mix}, seed {a.seed}, always online); {a.model} on {a.dataset}, "
-          f"{a.method}, {a.per_round} devices a round, {a.local_epochs} local epochs, batch {a.batch}")
-    print(f"simulator: {sim['seconds']:.1f} s; fleet: {fleet['seconds']:.1f} s wall ({fleet['agents_ready_s']:.1f} s "
-          f"starting {a.devices} agent processes); {len(fleet['emulated'])} agents emulating {', '.join(classes)}")
+    print(
+        f"trace: {a.devices} devices ({a.mix}, seed {a.seed}, always online); {a.model} on {a.dataset}, "
+        f"{a.method}, {a.per_round} devices a round, {a.local_epochs} local epochs, batch {a.batch}"
+    )
+    print(
+        f"simulator: {sim['seconds']:.1f} s; fleet: {fleet['seconds']:.1f} s wall ({fleet['agents_ready_s']:.1f} s "
+        f"starting {a.devices} agent processes); {len(fleet['emulated'])} agents emulating {', '.join(classes)}"
+    )
     print(f"same devices every round in both worlds: {'yes' if same else 'NO'}")
     print(table(rows, sim["devices"], sim["slowest"], overrun))
-    total_overrun = sum(f["overrun_s"] for by_device in fleet["emulation"].values() for f in by_device.values())
-    print(f"host overrun over all tasks: {total_overrun:.3f} s (time the host was slower than the board it emulated)")
-    print(f"mean error {statistics.mean(row.error for row in rows):+.3f} (positive: the fleet's rounds are longer)")
+    total_overrun = sum(
+        f["overrun_s"] for by_device in fleet["emulation"].values() for f in by_device.values()
+    )
+    print(
+        f"host overrun over all tasks: {total_overrun:.3f} s (time the host was slower than the board it emulated)"
+    )
+    print(
+        f"mean error {statistics.mean(row.error for row in rows):+.3f} (positive: the fleet's rounds are longer)"
+    )
     print(final_line(rows))
     return 0
 

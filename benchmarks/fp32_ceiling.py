@@ -68,8 +68,15 @@ def record_convolutions(batch: int) -> list[ConvCall]:
 
     def hook(module: nn.Module, args: tuple[torch.Tensor, ...], _out: torch.Tensor) -> None:
         assert isinstance(module, nn.Conv2d)
-        calls.append(ConvCall(tuple(args[0].shape), tuple(module.weight.shape), module.stride, module.padding,
-                              needs_input_grad=len(calls) > 0))
+        calls.append(
+            ConvCall(
+                tuple(args[0].shape),
+                tuple(module.weight.shape),
+                module.stride,
+                module.padding,
+                needs_input_grad=len(calls) > 0,
+            )
+        )
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Conv2d)]
     model(torch.randn(batch, 3, 32, 32))
@@ -87,11 +94,13 @@ def conv_ms(call: ConvCall, repeats: int) -> float:
     mask = [call.needs_input_grad, True, False]
 
     def backward() -> object:
-        return torch.ops.aten.convolution_backward(grad, x, weight, None, list(call.stride), list(call.padding),
-                                                   [1, 1], False, [0, 0], 1, mask)
+        return torch.ops.aten.convolution_backward(
+            grad, x, weight, None, list(call.stride), list(call.padding), [1, 1], False, [0, 0], 1, mask
+        )
 
-    return median_ms(lambda: F.conv2d(x, weight, stride=call.stride, padding=call.padding), repeats) + median_ms(
-        backward, repeats)
+    return median_ms(
+        lambda: F.conv2d(x, weight, stride=call.stride, padding=call.padding), repeats
+    ) + median_ms(backward, repeats)
 
 
 def matmul_peak_gflops(repeats: int) -> float:
@@ -136,13 +145,20 @@ def main() -> None:
     compiled = step_ms(a.batch, channels_last=True, compiled=True, repeats=a.repeats)
     achieved = flops / conv_total / 1e6
     print(f"fp32 GEMM peak, 1 thread: {peak:.0f} GFLOP/s")
-    print(f"{len(calls)} convolutions, {flops / 1e9:.2f} GFLOP per step: {conv_total:.1f} ms alone "
-          f"({achieved:.0f} GFLOP/s, {achieved / peak:.0%} of peak)")
-    for name, ms in (("convolutions alone (ceiling)", conv_total), ("textbook step (eager, NCHW)", textbook),
-                     ("Nestling step (compiled, NHWC)", compiled)):
+    print(
+        f"{len(calls)} convolutions, {flops / 1e9:.2f} GFLOP per step: {conv_total:.1f} ms alone "
+        f"({achieved:.0f} GFLOP/s, {achieved / peak:.0%} of peak)"
+    )
+    for name, ms in (
+        ("convolutions alone (ceiling)", conv_total),
+        ("textbook step (eager, NCHW)", textbook),
+        ("Nestling step (compiled, NHWC)", compiled),
+    ):
         print(f"  {name:<32} {ms:6.1f} ms/step  {1000 * a.batch / ms:5.0f} samples/s per core")
-    print(f"conv_peak_fraction={achieved / peak:.3f} ceiling_over_textbook={textbook / conv_total:.3f} "
-          f"compiled_over_textbook={textbook / compiled:.3f}")
+    print(
+        f"conv_peak_fraction={achieved / peak:.3f} ceiling_over_textbook={textbook / conv_total:.3f} "
+        f"compiled_over_textbook={textbook / compiled:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,22 @@ PRECISIONS = {
 def overrides(args: argparse.Namespace, precision: str, seed: int) -> dict[str, Any]:
     """The shared workload plus one precision's execution settings."""
     return {
-        "method.name": "fedavg", "model.arch": "resnet20", "data.dataset": "cifar10", "data.root": args.data_root,
-        "data.partition": "dirichlet", "data.alpha": 0.5, "data.clients": 100, "train.fraction": 0.1,
-        "train.local_epochs": 1, "train.batch_size": 32, "train.lr": 0.1, "train.schedule": "step",
-        "run.rounds": args.rounds, "run.eval_every": 0, "run.checkpoint_every": 0, "run.seed": seed,
+        "method.name": "fedavg",
+        "model.arch": "resnet20",
+        "data.dataset": "cifar10",
+        "data.root": args.data_root,
+        "data.partition": "dirichlet",
+        "data.alpha": 0.5,
+        "data.clients": 100,
+        "train.fraction": 0.1,
+        "train.local_epochs": 1,
+        "train.batch_size": 32,
+        "train.lr": 0.1,
+        "train.schedule": "step",
+        "run.rounds": args.rounds,
+        "run.eval_every": 0,
+        "run.checkpoint_every": 0,
+        "run.seed": seed,
         **PRECISIONS[precision],
     }
 
@@ -55,13 +67,17 @@ def main() -> None:
     for seed in seeds:
         for precision in PRECISIONS:
             started = time.perf_counter()
-            summary = run_simulation(load_config(None, overrides(args, precision, seed)),
-                                     args.out / f"{precision}-seed{seed}")
+            summary = run_simulation(
+                load_config(None, overrides(args, precision, seed)), args.out / f"{precision}-seed{seed}"
+            )
             wall = time.perf_counter() - started
             accuracy[precision].append(100 * summary["avg_accuracy"])
             seconds[precision].append(summary["train_seconds"])
-            print(f"seed {seed} {precision}: {accuracy[precision][-1]:.2f}% after {summary['rounds']} rounds, "
-                  f"training {summary['train_seconds']:.0f} s, wall {wall:.0f} s", flush=True)
+            print(
+                f"seed {seed} {precision}: {accuracy[precision][-1]:.2f}% after {summary['rounds']} rounds, "
+                f"training {summary['train_seconds']:.0f} s, wall {wall:.0f} s",
+                flush=True,
+            )
     figures = {
         "fp32_acc": statistics.fmean(accuracy["fp32"]),
         "bf16_acc": statistics.fmean(accuracy["bf16"]),

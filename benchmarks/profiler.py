@@ -30,35 +30,58 @@ MIB = 2**20
 
 def activation_errors() -> float:
     worst = 0.0
-    for model in (ModelConfig("resnet20"), ModelConfig("preresnet20", norm_stats="batch"), ModelConfig("resnet18")):
+    for model in (
+        ModelConfig("resnet20"),
+        ModelConfig("preresnet20", norm_stats="batch"),
+        ModelConfig("resnet18"),
+    ):
         spec = SubmodelSpec(model)
-        measured = {p["name"]: p["memory"]["activations_bytes"]
-                    for p in profile_model(spec, BATCH, repeats=1, warmup=0, rss_check=False)["parts"]}
-        errors = {p.name: abs(p.activation_bytes - measured[p.name]) / measured[p.name] for p in estimate(spec, BATCH).parts}
+        measured = {
+            p["name"]: p["memory"]["activations_bytes"]
+            for p in profile_model(spec, BATCH, repeats=1, warmup=0, rss_check=False)["parts"]
+        }
+        errors = {
+            p.name: abs(p.activation_bytes - measured[p.name]) / measured[p.name]
+            for p in estimate(spec, BATCH).parts
+        }
         name = max(errors, key=errors.__getitem__)
-        print(f"{model.arch:12s} parts {len(errors):2d}  measured {sum(measured.values()) / MIB:7.2f} MiB  "
-              f"largest relative error {errors[name]:.2e} ({name})")
+        print(
+            f"{model.arch:12s} parts {len(errors):2d}  measured {sum(measured.values()) / MIB:7.2f} MiB  "
+            f"largest relative error {errors[name]:.2e} ({name})"
+        )
         worst = max(worst, max(errors.values()))
     return worst
 
 
 def fedepth_peaks(budgets: str) -> float:
-    ctx = StrategyContext(arch="preresnet20", num_classes=10, in_channels=3, image_size=32, num_clients=4,
-                          total_rounds=1, local={"batch_size": BATCH, "momentum": 0.9, "local_steps": 3},
-                          options={"budgets": budgets})
+    ctx = StrategyContext(
+        arch="preresnet20",
+        num_classes=10,
+        in_channels=3,
+        image_size=32,
+        num_clients=4,
+        total_rounds=1,
+        local={"batch_size": BATCH, "momentum": 0.9, "local_steps": 3},
+        options={"budgets": budgets},
+    )
     strategy = create_strategy("fedepth", ctx)
     task = strategy.assign(0, [DeviceInfo("weakest", 0, 128)])["weakest"]
     plan = StagePlan.from_dict(task.hparams["plan"])
     ratio = strategy.ratios[0]
-    budget = profile_model(SubmodelSpec(strategy.model, width=ratio), BATCH, repeats=1, warmup=1, momentum=0.9,
-                           rss_check=False)["total"]["peak_training_bytes"]
+    budget = profile_model(
+        SubmodelSpec(strategy.model, width=ratio), BATCH, repeats=1, warmup=1, momentum=0.9, rss_check=False
+    )["total"]["peak_training_bytes"]
     net = build(SubmodelSpec.from_dict(task.spec), init=False)
     net.load_state_dict(task.weights)
     generator = torch.Generator().manual_seed(0)
-    data = ClientData(torch.randn(128, 3, 32, 32, generator=generator), torch.randint(0, 10, (128,), generator=generator))
+    data = ClientData(
+        torch.randn(128, 3, 32, 32, generator=generator), torch.randint(0, 10, (128,), generator=generator)
+    )
     peaks = measure_stage_peaks([net], plan, data, {**task.hparams, "lr": 0.01}, generator)
-    print(f"{budgets:5s} r=1/{round(1 / ratio)}  budget {budget / MIB:6.2f} MiB (planned {strategy.ratio_bytes[ratio] / MIB:.2f})"
-          f"  stages {plan.describe()}")
+    print(
+        f"{budgets:5s} r=1/{round(1 / ratio)}  budget {budget / MIB:6.2f} MiB (planned {strategy.ratio_bytes[ratio] / MIB:.2f})"
+        f"  stages {plan.describe()}"
+    )
     print("      stage peak / budget: " + " ".join(f"{p / budget:.3f}" for p in peaks))
     return max(peaks) / budget
 

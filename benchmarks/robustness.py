@@ -30,11 +30,15 @@ Tamper = Callable[[Task, Result], Result]
 ATTACKER = "dev-00000"
 
 
-def _update(task: Task, result: Result, transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Result:
+def _update(
+    task: Task, result: Result, transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Result:
     if result.device_id != ATTACKER:
         return result
-    weights = {k: transform(task.weights[k], v) if v.is_floating_point() and k in task.weights else v
-               for k, v in result.weights.items()}
+    weights = {
+        k: transform(task.weights[k], v) if v.is_floating_point() and k in task.weights else v
+        for k, v in result.weights.items()
+    }
     return replace(result, weights=weights)
 
 
@@ -57,33 +61,62 @@ def inflated(task: Task, result: Result) -> Result:
     return replace(zeroed, num_samples=10**9)
 
 
-ATTACKS: dict[str, Tamper] = {"huge_values": huge, "scaled_x100": scaled, "sign_flipped": sign_flipped,
-                              "inflated_num_samples": inflated}
+ATTACKS: dict[str, Tamper] = {
+    "huge_values": huge,
+    "scaled_x100": scaled,
+    "sign_flipped": sign_flipped,
+    "inflated_num_samples": inflated,
+}
 
 
 def config(a: argparse.Namespace, screening: bool) -> Any:
     from nestling.config import config_from_dict
 
-    return config_from_dict({
-        "run": {"rounds": a.rounds, "seed": a.seed, "quorum": 0.6, "eval_every": a.rounds, "checkpoint_every": 0,
-                "workers": 1, "screen_updates": screening, "divergence_guard": screening,
-                "aggregation": a.aggregation},
-        "data": {"dataset": "digits", "clients": 10},
-        "model": {"arch": a.model},
-        "method": {"name": a.method},
-        "train": {"fraction": 1.0, "local_epochs": a.local_epochs, "batch_size": 32, "lr": 0.05,
-                  "momentum": 0.9, "schedule": "constant"},
-    })
+    return config_from_dict(
+        {
+            "run": {
+                "rounds": a.rounds,
+                "seed": a.seed,
+                "quorum": 0.6,
+                "eval_every": a.rounds,
+                "checkpoint_every": 0,
+                "workers": 1,
+                "screen_updates": screening,
+                "divergence_guard": screening,
+                "aggregation": a.aggregation,
+            },
+            "data": {"dataset": "digits", "clients": 10},
+            "model": {"arch": a.model},
+            "method": {"name": a.method},
+            "train": {
+                "fraction": 1.0,
+                "local_epochs": a.local_epochs,
+                "batch_size": 32,
+                "lr": 0.05,
+                "momentum": 0.9,
+                "schedule": "constant",
+            },
+        }
+    )
 
 
-def one_run(a: argparse.Namespace, work: Path, name: str, tamper: Tamper | None, screening: bool = True) -> dict:
+def one_run(
+    a: argparse.Namespace, work: Path, name: str, tamper: Tamper | None, screening: bool = True
+) -> dict:
     from nestling.simulator.run import run_simulation
 
     summary = run_simulation(config(a, screening), work / name, tamper=tamper)
     metrics = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines() if line]
-    return {"name": name, "accuracy": summary["worst_accuracy"], "finished": len(metrics) == a.rounds,
-            "aggregate_seconds": summary["aggregate_seconds"], "quarantined": summary["quarantined"],
-            "refused": sum(sum(v for k, v in m["counters"].items() if k.startswith("rejected_")) for m in metrics)}
+    return {
+        "name": name,
+        "accuracy": summary["worst_accuracy"],
+        "finished": len(metrics) == a.rounds,
+        "aggregate_seconds": summary["aggregate_seconds"],
+        "quarantined": summary["quarantined"],
+        "refused": sum(
+            sum(v for k, v in m["counters"].items() if k.startswith("rejected_")) for m in metrics
+        ),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tinycnn")
     parser.add_argument("--method", default="fedavg")
     parser.add_argument("--local-epochs", type=int, default=1)
-    parser.add_argument("--aggregation", default="mean", choices=("mean", "trimmed_mean", "median"),
-                        help="[run] aggregation for every run, honest ones included (default: the methods' mean)")
+    parser.add_argument(
+        "--aggregation",
+        default="mean",
+        choices=("mean", "trimmed_mean", "median"),
+        help="[run] aggregation for every run, honest ones included (default: the methods' mean)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 rounds: a smoke check, not a measurement")
     a = parser.parse_args(argv)
     if a.quick:
@@ -116,15 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     attacks = [runs[name] for name in ATTACKS]
     for run in runs.values():
         drop = 100 * (honest["accuracy"] - run["accuracy"])
-        print(f"{run['name']:<22} accuracy {100 * run['accuracy']:6.2f}%  drop {drop:+6.2f} pts  "
-              f"finished {run['finished']}  refused {run['refused']:3d}  aggregate {run['aggregate_seconds']:.3f}s"
-              f"  quarantined {run['quarantined']}")
+        print(
+            f"{run['name']:<22} accuracy {100 * run['accuracy']:6.2f}%  drop {drop:+6.2f} pts  "
+            f"finished {run['finished']}  refused {run['refused']:3d}  aggregate {run['aggregate_seconds']:.3f}s"
+            f"  quarantined {run['quarantined']}"
+        )
     worst_drop = max(100 * (honest["accuracy"] - run["accuracy"]) for run in attacks)
     finished = sum(run["finished"] for run in attacks)
     overhead = honest["aggregate_seconds"] / max(runs["honest_unscreened"]["aggregate_seconds"], 1e-9)
-    print(f"{a.rounds} rounds, seed {a.seed}, {a.model}/{a.method}, aggregation {a.aggregation}; wall {time.perf_counter() - started:.0f}s; "
-          f"honest screened == unscreened accuracy: {honest['accuracy'] == runs['honest_unscreened']['accuracy']}")
-    print(f"worst_acc_drop={worst_drop:.2f} runs_finished={finished}/{len(attacks)} honest_overhead={overhead:.2f}")
+    print(
+        f"{a.rounds} rounds, seed {a.seed}, {a.model}/{a.method}, aggregation {a.aggregation}; wall {time.perf_counter() - started:.0f}s; "
+        f"honest screened == unscreened accuracy: {honest['accuracy'] == runs['honest_unscreened']['accuracy']}"
+    )
+    print(
+        f"worst_acc_drop={worst_drop:.2f} runs_finished={finished}/{len(attacks)} honest_overhead={overhead:.2f}"
+    )
     return 0
 
 

@@ -54,8 +54,15 @@ def resnet18_result() -> bytes:
     """An encoded Result carrying a full ResNet-18 state (the largest upload of the paper's setups)."""
     spec = SubmodelSpec.full(ModelConfig(arch="resnet18", num_classes=10, in_channels=3, image_size=32))
     weights = {k: v for k, v in build(spec).state_dict().items()}
-    result = Result(round=0, device_id="dev-0", task_id="r0-dev-0", spec_id=spec.id, weights=weights,
-                    num_samples=500, metrics={"loss_mean": 1.0})
+    result = Result(
+        round=0,
+        device_id="dev-0",
+        task_id="r0-dev-0",
+        spec_id=spec.id,
+        weights=weights,
+        num_samples=500,
+        metrics={"loss_mean": 1.0},
+    )
     return encode_result(result, "bench")
 
 
@@ -107,9 +114,12 @@ def chunked_over_raw(port: int, repeats: int) -> float:
         raw.append(time_transfer(sender, receiver, topic, payload, chunked=False))
         chunked.append(time_transfer(sender, receiver, topic, payload, chunked=True))
     raw_s, chunked_s = statistics.median(raw), statistics.median(chunked)
-    print(f"result of {len(payload) / 1e6:.1f} MB: raw publish {raw_s:.3f} s, chunked {chunked_s:.3f} s "
-          f"(median of {repeats}; raw {', '.join(f'{t:.2f}' for t in raw)}; "
-          f"chunked {', '.join(f'{t:.2f}' for t in chunked)})", flush=True)
+    print(
+        f"result of {len(payload) / 1e6:.1f} MB: raw publish {raw_s:.3f} s, chunked {chunked_s:.3f} s "
+        f"(median of {repeats}; raw {', '.join(f'{t:.2f}' for t in raw)}; "
+        f"chunked {', '.join(f'{t:.2f}' for t in chunked)})",
+        flush=True,
+    )
     sender.disconnect()
     receiver.client.disconnect()
     return chunked_s / raw_s
@@ -141,7 +151,9 @@ def echo_agents(port: int, count: int) -> None:
                 if payload is None:
                     return
             task, session = decode_task(decode_message(payload))
-            result = Result(task.round, device_id, task.task_id, task.spec_id, task.weights, 10, {"loss_mean": 0.0})
+            result = Result(
+                task.round, device_id, task.task_id, task.spec_id, task.weights, 10, {"loss_mean": 0.0}
+            )
             for frame in Outbound(256 * 1024).frames(encode_result(result, session), "server"):
                 cl.publish(topics.result(device_id), frame, qos=QOS)
 
@@ -157,17 +169,33 @@ def echo_agents(port: int, count: int) -> None:
 
 
 def round_overhead(port: int, agents: int, rounds: int) -> float:
-    child = subprocess.Popen([sys.executable, __file__, "--echo-agents", str(agents),
-                              "--port", str(port)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--echo-agents", str(agents), "--port", str(port)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "agents ready"
-        ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=agents,
-                              total_rounds=rounds)
+        ctx = StrategyContext(
+            arch="tinycnn",
+            num_classes=10,
+            in_channels=1,
+            image_size=16,
+            num_clients=agents,
+            total_rounds=rounds,
+        )
         strategy = create_strategy("fedavg", ctx)
         topics = FleetTopics(FLEET)
         client = make_client(f"{FLEET}-server", will=(topics.server_status, OFFLINE, True))
-        transport = MqttTransport(client, topics, DeviceRegistry(), WallClock(),
-                                  TransportSettings(round_min_devices=agents, device_wait_s=60))
+        transport = MqttTransport(
+            client,
+            topics,
+            DeviceRegistry(),
+            WallClock(),
+            TransportSettings(round_min_devices=agents, device_wait_s=60),
+        )
         transport.connect("127.0.0.1", port)
         transport.wait_for_devices(agents, 60)
         policy = RoundPolicy(rounds=rounds, fraction=1.0, quorum=1.0, deadline_s=60.0, eval_every=0)
@@ -179,8 +207,11 @@ def round_overhead(port: int, agents: int, rounds: int) -> float:
         child.wait(30)
     assert all(r.accepted == agents for r in records), [r.accepted for r in records]
     walls = [r.wall_seconds for r in records]
-    print(f"{agents} echo agents, {rounds} rounds (tinycnn, fedavg, checkpoint each round): per-round wall "
-          f"{', '.join(f'{w:.3f}' for w in walls)} s; median {statistics.median(walls):.3f} s", flush=True)
+    print(
+        f"{agents} echo agents, {rounds} rounds (tinycnn, fedavg, checkpoint each round): per-round wall "
+        f"{', '.join(f'{w:.3f}' for w in walls)} s; median {statistics.median(walls):.3f} s",
+        flush=True,
+    )
     return statistics.median(walls)
 
 

@@ -82,7 +82,12 @@ ENGINES = {
 
 
 def plain_epoch(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, seed: int, how: Settings = Settings()
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch: int,
+    seed: int,
+    how: Settings = Settings(),
 ) -> None:
     """The textbook loop: shuffle, mini-batches, cross-entropy, SGD step (in the engine's numerics)."""
     if how.channels_last:
@@ -195,7 +200,10 @@ def run_flower(a: argparse.Namespace, how: Settings) -> dict[str, float]:
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
         plain_epoch(model, *client_samples(index, a.samples), a.batch, seed=index, how=how)
         content = RecordDict(
-            {"arrays": ArrayRecord({k: v.contiguous() for k, v in model.state_dict().items()}), "metrics": MetricRecord({"num-examples": a.samples})}
+            {
+                "arrays": ArrayRecord({k: v.contiguous() for k, v in model.state_dict().items()}),
+                "metrics": MetricRecord({"num-examples": a.samples}),
+            }
         )
         return Message(content=content, reply_to=msg)
 

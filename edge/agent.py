@@ -55,8 +55,13 @@ class SentResult:
 class Agent:
     """One board in a fleet. `start()` returns at once; the agent keeps (re)connecting on its own."""
 
-    def __init__(self, config: AgentConfig, data: ClientData, monitor: ResourceMonitor | None = None,
-                 emulation: EmulationTarget | None = None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        data: ClientData,
+        monitor: ResourceMonitor | None = None,
+        emulation: EmulationTarget | None = None,
+    ) -> None:
         self.config = config
         self.data = data
         self.device_id = config.device.id
@@ -64,7 +69,9 @@ class Agent:
         self.monitor = monitor or ResourceMonitor(config.device.torch_device)
         # The procedures' per-device state, kept across rounds (and restarts, with [device] state_file).
         self.state_file = Path(config.device.state_file) if config.device.state_file else None
-        self.store = load_store_file(self.state_file, self._store_owner()) if self.state_file else DeviceStore()
+        self.store = (
+            load_store_file(self.state_file, self._store_owner()) if self.state_file else DeviceStore()
+        )
         self.server_session: str | None = None
         self.results_sent = 0
         self.state: str = "online"
@@ -84,12 +91,17 @@ class Agent:
         self._threads: list[threading.Thread] = []
         # `nestling agent --emulate`: behave like a slower board (edge/emulation.py; the CLI resolves the board)
         self.emulation = emulation
-        self.pacer = None if emulation is None else TaskPacer(emulation, tuple(data.x.shape[1:]),
-                                                              sleep=self._stop.wait)
+        self.pacer = (
+            None
+            if emulation is None
+            else TaskPacer(emulation, tuple(data.x.shape[1:]), sleep=self._stop.wait)
+        )
         self._chunks_from: dict[str, float] = {}  # task transfer id → when its first chunk arrived
         self._task_received: dict[str, float] = {}  # queued task id → when its first frame arrived
-        self.client = config.broker.client(f"nestling-{self.topics.fleet}-{self.device_id}",
-                                           will=(self.topics.status(self.device_id), OFFLINE, True))
+        self.client = config.broker.client(
+            f"nestling-{self.topics.fleet}-{self.device_id}",
+            will=(self.topics.status(self.device_id), OFFLINE, True),
+        )
         self.client.max_inflight_messages_set(64)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
@@ -117,7 +129,9 @@ class Agent:
         return profile
 
     def _say_hello(self) -> None:
-        self.client.publish(self.topics.hello(self.device_id), encode_hello(self.device_id, self.profile()), qos=QOS)
+        self.client.publish(
+            self.topics.hello(self.device_id), encode_hello(self.device_id, self.profile()), qos=QOS
+        )
         self._heartbeat()
 
     def _heartbeat(self) -> None:
@@ -143,7 +157,9 @@ class Agent:
         for thread in self._threads:
             thread.join(5.0)
         if self.client.is_connected():
-            self.client.publish(self.topics.status(self.device_id), OFFLINE, qos=QOS, retain=True).wait_for_publish(2.0)
+            self.client.publish(
+                self.topics.status(self.device_id), OFFLINE, qos=QOS, retain=True
+            ).wait_for_publish(2.0)
         self.client.disconnect()
         self.client.loop_stop()
 
@@ -155,13 +171,19 @@ class Agent:
         """Block until stopped (True) or `timeout` passed (False)."""
         return self._stop.wait(timeout)
 
-    def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
-                    properties: object) -> None:
+    def _on_connect(
+        self, client: mqtt.Client, userdata: object, flags: object, reason: object, properties: object
+    ) -> None:
         if getattr(reason, "is_failure", False):
             log.error("broker refused %s: %s", self.device_id, reason)
             return
-        client.subscribe([(self.topics.task(self.device_id), QOS), (self.topics.ctrl(self.device_id), QOS),
-                          (self.topics.server_status, QOS)])
+        client.subscribe(
+            [
+                (self.topics.task(self.device_id), QOS),
+                (self.topics.ctrl(self.device_id), QOS),
+                (self.topics.server_status, QOS),
+            ]
+        )
         self._say_hello()  # after every (re)connect: a restarted broker or server has forgotten us
         log.info("%s connected and registered", self.device_id)
 
@@ -209,7 +231,11 @@ class Agent:
             log.info("new server session %s: registering again", status.session)
             self._say_hello()
         sent = self._sent
-        if sent and status.phase == "training" and (sent.round, sent.session) == (status.round, status.session):
+        if (
+            sent
+            and status.phase == "training"
+            and (sent.round, sent.session) == (status.round, status.session)
+        ):
             self._resend(sent)  # the server re-announced the round we answered: our result may have been lost
 
     def _resend(self, sent: SentResult) -> None:
@@ -237,7 +263,9 @@ class Agent:
             if whole is None:
                 return
             payload = whole
-        order, session = decode_export_order(decode_message(payload, max_bytes=self.inbound.max_payload_bytes))
+        order, session = decode_export_order(
+            decode_message(payload, max_bytes=self.inbound.max_payload_bytes)
+        )
         if order.device_id != self.device_id:
             raise WireError(f"export order {order.order_id} is for {order.device_id}, not {self.device_id}")
         if (order.order_id, session) == self._export_seen:
@@ -254,7 +282,9 @@ class Agent:
         if header["kind"] == CHUNK_KIND:
             if len(self._chunks_from) > 16:  # transfers given up on never complete: forget them
                 self._chunks_from.clear()
-            received = self._chunks_from.setdefault(header["transfer_id"], received)  # the download began here
+            received = self._chunks_from.setdefault(
+                header["transfer_id"], received
+            )  # the download began here
             whole = self.inbound.add(payload)
             if whole is None:
                 return
@@ -321,8 +351,15 @@ class Agent:
         for frame in frames:
             self.client.publish(self.topics.result(self.device_id), frame, qos=QOS)
         self.results_sent += 1
-        log.info("round %d: sent %s for submodel %s (%.2f MB, %.2fs training, loss %s)", task.round, task.task_id,
-                 result.spec_id, len(payload) / 1e6, result.metrics["train_seconds"], result.metrics.get("loss_mean"))
+        log.info(
+            "round %d: sent %s for submodel %s (%.2f MB, %.2fs training, loss %s)",
+            task.round,
+            task.task_id,
+            result.spec_id,
+            len(payload) / 1e6,
+            result.metrics["train_seconds"],
+            result.metrics.get("loss_mean"),
+        )
         self._heartbeat()
 
     def _store_owner(self) -> str:
@@ -340,8 +377,14 @@ class Agent:
     def _pad_training(self, task: Task, result: Result, measured_s: float) -> None:
         assert self.pacer is not None and self.emulation is not None
         pacing = self.pacer.compute(task, len(self.data), measured_s)
-        result.metrics.update({"emulated": self.emulation.name, "emulated_down_s": pacing.down_s,
-                               "emulated_compute_s": pacing.compute_s, "emulation_overrun_s": pacing.overrun_s})
+        result.metrics.update(
+            {
+                "emulated": self.emulation.name,
+                "emulated_down_s": pacing.down_s,
+                "emulated_compute_s": pacing.compute_s,
+                "emulation_overrun_s": pacing.overrun_s,
+            }
+        )
 
     def _pace_upload(self, result: Result, trained: float) -> None:
         assert self.pacer is not None and self.emulation is not None
@@ -357,8 +400,14 @@ class Agent:
         self.state = "exporting"
         self._heartbeat()
         try:
-            report = export_on_board(order, self.config.export, fleet=self.topics.fleet, device_id=self.device_id,
-                                     data=self.config.data, threads=self.config.device.threads)
+            report = export_on_board(
+                order,
+                self.config.export,
+                fleet=self.topics.fleet,
+                device_id=self.device_id,
+                data=self.config.data,
+                threads=self.config.device.threads,
+            )
         finally:
             self.state = "online"
         try:
@@ -368,7 +417,13 @@ class Agent:
             payload = encode_export_report(report, session)
         self._export_report = payload
         self.client.publish(self.topics.result(self.device_id), payload, qos=QOS)
-        log.info("export of %s (%s): %s %s", order.name, report.spec_id, report.status, report.bundle or report.error)
+        log.info(
+            "export of %s (%s): %s %s",
+            order.name,
+            report.spec_id,
+            report.status,
+            report.bundle or report.error,
+        )
         self._heartbeat()
 
 

@@ -31,7 +31,9 @@ def load_client_data(section: DataSection) -> ClientData:
     extra: dict[str, Any] = {} if section.limit_train is None else {"limit_train": section.limit_train}
     bundle = load_dataset(section.dataset, section.root, seed=section.seed, **extra)
     options = {name: getattr(section, name) for name in _PARTITION_OPTIONS.get(section.partition, ())}
-    parts = make_partition(section.partition, bundle.train.y.numpy(), section.num_clients, section.seed, **options)
+    parts = make_partition(
+        section.partition, bundle.train.y.numpy(), section.num_clients, section.seed, **options
+    )
     index = parts[section.client_index]
     return ClientData(bundle.train.x[index], bundle.train.y[index], bundle.augment)
 
@@ -46,8 +48,10 @@ def resolve_emulation(device: DeviceSection) -> EmulationTarget | None:
 
         board = BOARDS.get(device.emulate)
         if board is None:
-            raise ConfigError(f"--emulate / [device] emulate: unknown board class '{device.emulate}' "
-                              f"(known: {', '.join(BOARDS)})")
+            raise ConfigError(
+                f"--emulate / [device] emulate: unknown board class '{device.emulate}' "
+                f"(known: {', '.join(BOARDS)})"
+            )
         return EmulationTarget.of_board(board)
     if device.emulate_trace is not None:
         from nestling.simulator.traces import load_traces
@@ -56,8 +60,10 @@ def resolve_emulation(device: DeviceSection) -> EmulationTarget | None:
         trace = traces.get(str(device.emulate_device))
         if trace is None:
             known = ", ".join(list(traces)[:10]) + (", ..." if len(traces) > 10 else "")
-            raise ConfigError(f"--emulate-device: no device '{device.emulate_device}' in trace "
-                              f"{device.emulate_trace} (it has {len(traces)}: {known})")
+            raise ConfigError(
+                f"--emulate-device: no device '{device.emulate_device}' in trace "
+                f"{device.emulate_trace} (it has {len(traces)}: {known})"
+            )
         try:
             return EmulationTarget.of_trace(trace)
         except ValueError as exc:
@@ -65,14 +71,19 @@ def resolve_emulation(device: DeviceSection) -> EmulationTarget | None:
     return None
 
 
-def apply_emulation_flags(config: AgentConfig, emulate: str | None, trace: Path | None,
-                          device_id: str | None) -> None:
+def apply_emulation_flags(
+    config: AgentConfig, emulate: str | None, trace: Path | None, device_id: str | None
+) -> None:
     """Command-line --emulate / --emulate-trace + --emulate-device replace what agent.toml says."""
     if emulate is not None and (trace is not None or device_id is not None):
-        raise ConfigError("--emulate (a board class) and --emulate-trace/--emulate-device (a trace device) "
-                          "exclude each other")
+        raise ConfigError(
+            "--emulate (a board class) and --emulate-trace/--emulate-device (a trace device) "
+            "exclude each other"
+        )
     if (trace is None) != (device_id is None):
-        raise ConfigError("--emulate-trace and --emulate-device go together (a trace file and a device_id in it)")
+        raise ConfigError(
+            "--emulate-trace and --emulate-device go together (a trace file and a device_id in it)"
+        )
     device = config.device
     if emulate is not None:
         device.emulate, device.emulate_trace, device.emulate_device = emulate, None, None
@@ -80,8 +91,12 @@ def apply_emulation_flags(config: AgentConfig, emulate: str | None, trace: Path 
         device.emulate, device.emulate_trace, device.emulate_device = None, str(trace), device_id
 
 
-def _run(config_path: Path, emulate: str | None = None, emulate_trace: Path | None = None,
-         emulate_device: str | None = None) -> int:
+def _run(
+    config_path: Path,
+    emulate: str | None = None,
+    emulate_trace: Path | None = None,
+    emulate_device: str | None = None,
+) -> int:
     config = load_agent_config(config_path)
     apply_emulation_flags(config, emulate, emulate_trace, emulate_device)
     emulation = resolve_emulation(config.device)
@@ -90,10 +105,17 @@ def _run(config_path: Path, emulate: str | None = None, emulate_trace: Path | No
     agent = Agent(config, data, emulation=emulation).start()
     signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())  # the main thread leaves cleanly
     signal.signal(signal.SIGINT, lambda *_: agent.request_stop())
-    emulating = "" if emulation is None else f", emulating {emulation.name}" + (
-        f" (trace device {emulation.trace_device})" if emulation.trace_device else "")
-    print(f"agent {config.device.id}: {len(data)} samples, broker {config.broker.url}, fleet "
-          f"{config.broker.fleet}{emulating}", flush=True)
+    emulating = (
+        ""
+        if emulation is None
+        else f", emulating {emulation.name}"
+        + (f" (trace device {emulation.trace_device})" if emulation.trace_device else "")
+    )
+    print(
+        f"agent {config.device.id}: {len(data)} samples, broker {config.broker.url}, fleet "
+        f"{config.broker.fleet}{emulating}",
+        flush=True,
+    )
     while not agent.wait(1.0):
         pass
     agent.stop()
@@ -103,27 +125,49 @@ def _run(config_path: Path, emulate: str | None = None, emulate_trace: Path | No
 def agent_main(argv: list[str]) -> int:
     """`nestling agent --config agent.toml [--emulate CLASS | --emulate-trace T --emulate-device ID]` |
     `nestling agent install-service --config agent.toml [--out P]`."""
-    parser = argparse.ArgumentParser(prog="nestling agent", description="Run this board's federated-learning agent.")
+    parser = argparse.ArgumentParser(
+        prog="nestling agent", description="Run this board's federated-learning agent."
+    )
     parser.add_argument("action", nargs="?", choices=("run", "install-service"), default="run")
     parser.add_argument("--config", type=Path, required=True, help="agent.toml (see examples/agent.toml)")
-    parser.add_argument("--out", type=Path, default=Path("/etc/systemd/system"),
-                        help=f"install-service: where to write {UNIT_NAME} (default /etc/systemd/system)")
-    parser.add_argument("--user", default=None, help="install-service: account the agent runs as (default: you)")
-    parser.add_argument("--emulate", metavar="CLASS", default=None,
-                        help="behave like a slower board of the catalogue (rpi4, phone-low, ...): compute padded "
-                             "to its speed, transfers paced to its link (overrides [device] emulate)")
-    parser.add_argument("--emulate-trace", metavar="TRACE", type=Path, default=None,
-                        help="emulate one device of this trace file instead (with --emulate-device)")
-    parser.add_argument("--emulate-device", metavar="ID", default=None, help="the trace's device_id to emulate")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("/etc/systemd/system"),
+        help=f"install-service: where to write {UNIT_NAME} (default /etc/systemd/system)",
+    )
+    parser.add_argument(
+        "--user", default=None, help="install-service: account the agent runs as (default: you)"
+    )
+    parser.add_argument(
+        "--emulate",
+        metavar="CLASS",
+        default=None,
+        help="behave like a slower board of the catalogue (rpi4, phone-low, ...): compute padded "
+        "to its speed, transfers paced to its link (overrides [device] emulate)",
+    )
+    parser.add_argument(
+        "--emulate-trace",
+        metavar="TRACE",
+        type=Path,
+        default=None,
+        help="emulate one device of this trace file instead (with --emulate-device)",
+    )
+    parser.add_argument(
+        "--emulate-device", metavar="ID", default=None, help="the trace's device_id to emulate"
+    )
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        force=True)  # the top-level CLI configured WARNING already
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True
+    )  # the top-level CLI configured WARNING already
     try:
         if args.action == "install-service":
             load_agent_config(args.config)  # refuse to install a unit that would fail at boot
             path = write_unit(args.config, args.out, user=args.user)
-            print(f"wrote {path}\nenable it: sudo systemctl daemon-reload && sudo systemctl enable --now {UNIT_NAME}")
+            print(
+                f"wrote {path}\nenable it: sudo systemctl daemon-reload && sudo systemctl enable --now {UNIT_NAME}"
+            )
             return 0
         return _run(args.config, args.emulate, args.emulate_trace, args.emulate_device)
     except NestlingError as exc:

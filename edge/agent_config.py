@@ -15,8 +15,12 @@ from nestling.wire.topics import validate_id
 @dataclass
 class DeviceSection:
     id: str = ""
-    memory_budget_mb: float | None = None  # what training may use on this board; the server picks the submodel
-    tier: int | None = None  # pin a submodel tier (the budget is then not sent: strategies size by budget first)
+    memory_budget_mb: float | None = (
+        None  # what training may use on this board; the server picks the submodel
+    )
+    tier: int | None = (
+        None  # pin a submodel tier (the budget is then not sent: strategies size by budget first)
+    )
     torch_device: str = "cpu"  # "cuda" on a Jetson
     threads: int = 1  # torch intra-op threads (more than the cores collapses throughput)
     # Emulate a slower board (a loopback fleet replaying a trace): a catalogue class, or one trace device.
@@ -63,15 +67,19 @@ class AgentConfig:
 def agent_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> AgentConfig:
     unknown = sorted(set(data) - {"broker", "device", "data", "agent", "export"})
     if unknown:
-        raise ConfigError(f"unknown agent config sections {unknown} (known: broker, device, data, agent, export)")
+        raise ConfigError(
+            f"unknown agent config sections {unknown} (known: broker, device, data, agent, export)"
+        )
     broker_table = data.get("broker", {})
     if not isinstance(broker_table, dict):
         raise ConfigError("[broker] must be a table")
-    config = AgentConfig(broker=BrokerSettings.from_table(broker_table, base),
-                         device=read_table(DeviceSection, "device", data.get("device", {})),
-                         data=read_table(DataSection, "data", data.get("data", {})),
-                         agent=read_table(AgentSection, "agent", data.get("agent", {})),
-                         export=read_table(ExportSection, "export", data.get("export", {})).resolve(base))
+    config = AgentConfig(
+        broker=BrokerSettings.from_table(broker_table, base),
+        device=read_table(DeviceSection, "device", data.get("device", {})),
+        data=read_table(DataSection, "data", data.get("data", {})),
+        agent=read_table(AgentSection, "agent", data.get("agent", {})),
+        export=read_table(ExportSection, "export", data.get("export", {})).resolve(base),
+    )
     config.export.check()
     validate_id(config.device.id, "[device] id")
     if config.data.root is not None:
@@ -82,13 +90,23 @@ def agent_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Agen
         config.device.emulate_trace = str(base / config.device.emulate_trace)
     d, a = config.data, config.agent
     checks = [
-        (config.device.memory_budget_mb is None or config.device.memory_budget_mb > 0, "[device] memory_budget_mb must be > 0"),
+        (
+            config.device.memory_budget_mb is None or config.device.memory_budget_mb > 0,
+            "[device] memory_budget_mb must be > 0",
+        ),
         (config.device.threads >= 1, "[device] threads must be >= 1"),
-        (config.device.emulate is None or config.device.emulate_trace is None,
-         "[device] emulate (a board class) and emulate_trace (a trace device) exclude each other"),
-        ((config.device.emulate_trace is None) == (config.device.emulate_device is None),
-         "[device] emulate_trace and emulate_device go together (the trace file and the device_id in it)"),
-        (d.num_clients >= 1 and 0 <= d.client_index < d.num_clients, "[data] needs 0 <= client_index < num_clients"),
+        (
+            config.device.emulate is None or config.device.emulate_trace is None,
+            "[device] emulate (a board class) and emulate_trace (a trace device) exclude each other",
+        ),
+        (
+            (config.device.emulate_trace is None) == (config.device.emulate_device is None),
+            "[device] emulate_trace and emulate_device go together (the trace file and the device_id in it)",
+        ),
+        (
+            d.num_clients >= 1 and 0 <= d.client_index < d.num_clients,
+            "[data] needs 0 <= client_index < num_clients",
+        ),
         (a.heartbeat_s > 0 and a.stall_s > 0, "[agent] heartbeat_s and stall_s must be > 0"),
         (a.chunk_kb >= 1 and a.max_message_mb >= 1, "[agent] chunk_kb and max_message_mb must be >= 1"),
     ]

@@ -38,8 +38,14 @@ def order_target(order: ExportOrder) -> EvalTarget:
     """The order as the EvalTarget the export pipeline takes; SpecError if its spec or weights are unusable."""
     spec = SubmodelSpec.from_dict(order.spec)
     check_finite(order.weights)
-    return EvalTarget(order.name, spec, order.weights, ensemble=order.ensemble, static_bn=order.static_bn,
-                      active_width=order.active_width)
+    return EvalTarget(
+        order.name,
+        spec,
+        order.weights,
+        ensemble=order.ensemble,
+        static_bn=order.static_bn,
+        active_width=order.active_width,
+    )
 
 
 def export_data(settings: ExportSection, section: DataSection) -> ExportData | None:
@@ -48,8 +54,9 @@ def export_data(settings: ExportSection, section: DataSection) -> ExportData | N
         return None
     extra: dict[str, Any] = {} if section.limit_train is None else {"limit_train": section.limit_train}
     bundle = load_dataset(section.dataset, section.root, seed=section.seed, **extra)
-    return load_export_data(bundle, calib_samples=settings.calib_samples, eval_samples=settings.eval_samples,
-                            seed=section.seed)
+    return load_export_data(
+        bundle, calib_samples=settings.calib_samples, eval_samples=settings.eval_samples, seed=section.seed
+    )
 
 
 def tensorrt_plan(settings: ExportSection) -> tuple[str, dict[str, Any]]:
@@ -77,21 +84,28 @@ def replace_folder(built: Path, out: Path) -> None:
 
 def _worst(inputs: dict[str, Any]) -> dict[str, Any]:
     reports = [r for r in inputs.values() if isinstance(r, dict)]
-    return {"max_abs": max(r["max_abs"] for r in reports), "max_rel": max(r["max_rel"] for r in reports),
-            "top1_agreement": min(r["top1_agreement"] for r in reports)}
+    return {
+        "max_abs": max(r["max_abs"] for r in reports),
+        "max_rel": max(r["max_rel"] for r in reports),
+        "top1_agreement": min(r["top1_agreement"] for r in reports),
+    }
 
 
 def _latency(table: dict[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for batch, runtimes in (table or {}).items():
         if isinstance(runtimes, dict):
-            out[batch] = {name: {"p50_ms": row["p50_ms"], "p90_ms": row["p90_ms"]}
-                          for name, row in runtimes.items() if isinstance(row, dict) and "p50_ms" in row}
+            out[batch] = {
+                name: {"p50_ms": row["p50_ms"], "p90_ms": row["p90_ms"]}
+                for name, row in runtimes.items()
+                if isinstance(row, dict) and "p50_ms" in row
+            }
     return out
 
 
-def bundle_report(order: ExportOrder, folder: Path, tensorrt: dict[str, Any], seconds: float,
-                  device_id: str) -> ExportReport:
+def bundle_report(
+    order: ExportOrder, folder: Path, tensorrt: dict[str, Any], seconds: float, device_id: str
+) -> ExportReport:
     """The report of a finished bundle, read back from its (sha256-verified) bundle.json."""
     manifest = read_bundle(folder)
     models = [MODEL_NAMES[k] for k in manifest["models"] if k in MODEL_NAMES]
@@ -99,13 +113,26 @@ def bundle_report(order: ExportOrder, folder: Path, tensorrt: dict[str, Any], se
         models.append("tensorrt")
         tensorrt = {**tensorrt, "built": True}
     files = {**manifest["files"], MANIFEST_NAME: sha256_file(folder / MANIFEST_NAME)}
-    accuracy = {k: v for k, v in (manifest.get("accuracy") or {}).items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return ExportReport(device_id=device_id, order_id=order.order_id, spec_id=manifest["spec_id"], status="ok",
-                        submodel=order.name, models=models, bundle=str(folder.resolve()), files=files,
-                        parity={name: _worst(inputs) for name, inputs in manifest["parity"].items()},
-                        latency_ms=_latency(manifest.get("latency_ms")), accuracy=accuracy, tensorrt=tensorrt,
-                        seconds=round(seconds, 3))
+    accuracy = {
+        k: v
+        for k, v in (manifest.get("accuracy") or {}).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    return ExportReport(
+        device_id=device_id,
+        order_id=order.order_id,
+        spec_id=manifest["spec_id"],
+        status="ok",
+        submodel=order.name,
+        models=models,
+        bundle=str(folder.resolve()),
+        files=files,
+        parity={name: _worst(inputs) for name, inputs in manifest["parity"].items()},
+        latency_ms=_latency(manifest.get("latency_ms")),
+        accuracy=accuracy,
+        tensorrt=tensorrt,
+        seconds=round(seconds, 3),
+    )
 
 
 def _spec_id(order: ExportOrder) -> str:
@@ -115,8 +142,15 @@ def _spec_id(order: ExportOrder) -> str:
         return "invalid-spec"
 
 
-def export_on_board(order: ExportOrder, settings: ExportSection, *, fleet: str, device_id: str,
-                    data: DataSection, threads: int = 1) -> ExportReport:
+def export_on_board(
+    order: ExportOrder,
+    settings: ExportSection,
+    *,
+    fleet: str,
+    device_id: str,
+    data: DataSection,
+    threads: int = 1,
+) -> ExportReport:
     """Build the bundle of `order` into settings.bundle_dir(...) and report it; never raises."""
     started = time.perf_counter()
     try:
@@ -125,13 +159,23 @@ def export_on_board(order: ExportOrder, settings: ExportSection, *, fleet: str, 
         fmt, tensorrt = tensorrt_plan(settings)
         out = settings.bundle_dir(fleet, device_id)
         out.parent.mkdir(parents=True, exist_ok=True)
-        source = {"fleet": fleet, "device": device_id, "method": order.method, "round": order.round,
-                  "order": order.order_id}
+        source = {
+            "fleet": fleet,
+            "device": device_id,
+            "method": order.method,
+            "round": order.round,
+            "order": order.order_id,
+        }
 
         def build(fmt: str) -> Path:
-            options = ExportOptions(format=fmt, quantize=None if settings.quantize == "none" else settings.quantize,
-                                    calib_samples=settings.calib_samples, eval_samples=settings.eval_samples,
-                                    threads=threads, tensorrt=TensorRTConfig(precision=settings.precision))
+            options = ExportOptions(
+                format=fmt,
+                quantize=None if settings.quantize == "none" else settings.quantize,
+                calib_samples=settings.calib_samples,
+                eval_samples=settings.eval_samples,
+                threads=threads,
+                tensorrt=TensorRTConfig(precision=settings.precision),
+            )
             building = out.with_name(f".{out.name}.building-{os.getpid()}")
             shutil.rmtree(building, ignore_errors=True)
             try:
@@ -158,8 +202,16 @@ def export_on_board(order: ExportOrder, settings: ExportSection, *, fleet: str, 
         if report.spec_id != target.spec.id:
             raise SpecError(f"bundle holds spec {report.spec_id}, the order asked for {target.spec.id}")
         return report
-    except Exception as exc:  # a bad order, missing data, a parity failure, a full disk: report it, keep running
+    except (
+        Exception
+    ) as exc:  # a bad order, missing data, a parity failure, a full disk: report it, keep running
         log.exception("export of %s failed", order.name)
-        return ExportReport(device_id=device_id, order_id=order.order_id, spec_id=_spec_id(order), status="failed",
-                            submodel=order.name, error=cut(f"{type(exc).__name__}: {exc}"),
-                            seconds=round(time.perf_counter() - started, 3))
+        return ExportReport(
+            device_id=device_id,
+            order_id=order.order_id,
+            spec_id=_spec_id(order),
+            status="failed",
+            submodel=order.name,
+            error=cut(f"{type(exc).__name__}: {exc}"),
+            seconds=round(time.perf_counter() - started, 3),
+        )

@@ -119,8 +119,13 @@ class SpeedFigures:
             raise ValueError(
                 f"trace device '{trace.device_id}' has neither gflops nor block_latency_s: nothing to pad compute to"
             )
-        return cls(trace.gflops, trace.up_bps, trace.down_bps, trace.latency_s,
-                   dict(trace.block_latency_s) if trace.block_latency_s else None)
+        return cls(
+            trace.gflops,
+            trace.up_bps,
+            trace.down_bps,
+            trace.latency_s,
+            dict(trace.block_latency_s) if trace.block_latency_s else None,
+        )
 
     def __post_init__(self) -> None:
         for name in ("up_bps", "down_bps"):
@@ -134,7 +139,9 @@ class SpeedFigures:
             raise ValueError(f"latency_s must be >= 0, got {self.latency_s!r}")
         for model, seconds in (self.block_latency_s or {}).items():
             if not (isinstance(seconds, (int, float)) and seconds > 0):
-                raise ValueError(f"block_latency_s[{model!r}] must be > 0 seconds per sample, got {seconds!r}")
+                raise ValueError(
+                    f"block_latency_s[{model!r}] must be > 0 seconds per sample, got {seconds!r}"
+                )
 
 
 class EmulatedDevice:
@@ -183,7 +190,9 @@ class EmulationTarget:
     @classmethod
     def of_board(cls, board: Any) -> EmulationTarget:
         """A catalogue class (simulator.catalogue.BoardClass)."""
-        return cls(board.name, SpeedFigures(board.sustained_gflops, board.up_bps, board.down_bps, board.latency_s))
+        return cls(
+            board.name, SpeedFigures(board.sustained_gflops, board.up_bps, board.down_bps, board.latency_s)
+        )
 
     @classmethod
     def of_trace(cls, trace: Any) -> EmulationTarget:
@@ -193,8 +202,14 @@ class EmulationTarget:
     def describe(self) -> dict[str, Any]:
         """What the agent's hello advertises (the server logs it and lists it in summary.json)."""
         figures = self.figures
-        described = {"class": self.name, "trace_device": self.trace_device, "gflops": figures.sustained_gflops,
-                     "up_bps": figures.up_bps, "down_bps": figures.down_bps, "latency_s": figures.latency_s}
+        described = {
+            "class": self.name,
+            "trace_device": self.trace_device,
+            "gflops": figures.sustained_gflops,
+            "up_bps": figures.up_bps,
+            "down_bps": figures.down_bps,
+            "latency_s": figures.latency_s,
+        }
         if figures.block_latency_s:
             described["measured_latency_models"] = sorted(figures.block_latency_s)
         return described
@@ -213,9 +228,11 @@ class TaskPacing:
 
     def line(self, round_index: int, board: str) -> str:
         """The agent's log line for the task (benchmarks/fidelity.py reads it back)."""
-        return (f"round {round_index}: emulating {board}: download {self.down_s:.3f}s, training {self.compute_s:.3f}s "
-                f"(host {self.measured_compute_s:.3f}s), upload {self.up_s:.3f}s, slept {self.slept_s:.3f}s, "
-                f"overrun {self.overrun_s:.3f}s")
+        return (
+            f"round {round_index}: emulating {board}: download {self.down_s:.3f}s, training {self.compute_s:.3f}s "
+            f"(host {self.measured_compute_s:.3f}s), upload {self.up_s:.3f}s, slept {self.slept_s:.3f}s, "
+            f"overrun {self.overrun_s:.3f}s"
+        )
 
 
 @dataclass
@@ -264,8 +281,11 @@ class TaskPacer:
         spec = SubmodelSpec.from_dict(task.spec)
         samples = samples_trained(task.hparams, num_samples)
         measured = measured_compute_seconds(self.target.figures.block_latency_s, spec, samples, self.macs)
-        target = measured if measured is not None else self.device.compute_seconds(
-            task_training_flops(task, num_samples, self.macs))
+        target = (
+            measured
+            if measured is not None
+            else self.device.compute_seconds(task_training_flops(task, num_samples, self.macs))
+        )
         record.compute_s, record.measured_compute_s = target, measured_s
         self._paced(record, lambda: self.device.pad_to(target, measured_s))
         return record

@@ -24,20 +24,28 @@ class ExportSection:
     format: str = "onnx"  # "tensorrt": also build a TensorRT engine when tensorrt and a CUDA GPU are present
     precision: str = "fp16"  # TensorRT engine precision
     quantize: str = "none"  # "int8": add an onnxruntime int8 model (needs calib_data = "dataset")
-    out_dir: str | None = None  # the bundle folder (replaced by each run); default ~/.nestling/bundles/<fleet>/<id>
+    out_dir: str | None = (
+        None  # the bundle folder (replaced by each run); default ~/.nestling/bundles/<fleet>/<id>
+    )
     calib_data: str = "dataset"  # "dataset": [data]'s dataset for calibration, real-input parity and accuracy
     calib_samples: int = 256  # training images for static BN / int8 calibration
     eval_samples: int = 500  # held-out test images for real-input parity and accuracy
 
     def check(self) -> None:
-        for value, known, key in ((self.format, FORMATS, "format"), (self.precision, PRECISIONS, "precision"),
-                                  (self.quantize, QUANTIZE, "quantize"), (self.calib_data, CALIB_DATA, "calib_data")):
+        for value, known, key in (
+            (self.format, FORMATS, "format"),
+            (self.precision, PRECISIONS, "precision"),
+            (self.quantize, QUANTIZE, "quantize"),
+            (self.calib_data, CALIB_DATA, "calib_data"),
+        ):
             if value not in known:
                 raise ConfigError(f"[export] {key} must be one of {', '.join(known)}, got {value!r}")
         if self.calib_samples < 1 or self.eval_samples < 1:
             raise ConfigError("[export] calib_samples and eval_samples must be >= 1")
         if self.quantize == "int8" and self.calib_data == "none":
-            raise ConfigError('[export] quantize = "int8" needs calibration images: set calib_data = "dataset"')
+            raise ConfigError(
+                '[export] quantize = "int8" needs calibration images: set calib_data = "dataset"'
+            )
 
     def resolve(self, base: Path) -> ExportSection:
         """Relative out_dir taken from the config file's folder (absolute and ~ paths stay)."""

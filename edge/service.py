@@ -16,8 +16,9 @@ AGENT_SERVICE = systemd.ServiceSpec(
 UNIT_NAME = AGENT_SERVICE.unit_name
 
 
-def unit_text(config: Path, *, python: str = sys.executable, user: str | None = None,
-              working_dir: Path | None = None) -> str:
+def unit_text(
+    config: Path, *, python: str = sys.executable, user: str | None = None, working_dir: Path | None = None
+) -> str:
     """The agent's unit file text (see nestling.systemd.unit_text)."""
     return systemd.unit_text(AGENT_SERVICE, config, python=python, user=user, working_dir=working_dir)
 

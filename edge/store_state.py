@@ -82,7 +82,9 @@ def load_store_file(path: Path, owner: str) -> DeviceStore:
         with safe_open(str(path), framework="pt") as fh:
             recorded = (fh.metadata() or {}).get("owner")
         if recorded != owner:
-            log.warning("device state %s belongs to %r, not %r: starting with empty state", path, recorded, owner)
+            log.warning(
+                "device state %s belongs to %r, not %r: starting with empty state", path, recorded, owner
+            )
             return DeviceStore()
         return stores_from_tensors(load_file(str(path))).get(owner, DeviceStore())
     except (SafetensorError, OSError, NestlingError) as exc:

@@ -23,8 +23,13 @@ def task_generator(task: Task) -> torch.Generator:
     return generator
 
 
-def run_task(task: Task, data: ClientData, store: DeviceStore | None = None,
-             device: torch.device | str = "cpu", prepare: Callable[[nn.Module], None] | None = None) -> Result:
+def run_task(
+    task: Task,
+    data: ClientData,
+    store: DeviceStore | None = None,
+    device: torch.device | str = "cpu",
+    prepare: Callable[[nn.Module], None] | None = None,
+) -> Result:
     """Train exactly the submodel the task names (never the full model) and package the trained slice.
 
     `prepare` may adapt the built model in place before training (the simulator compiles it)."""
@@ -44,13 +49,18 @@ def run_task(task: Task, data: ClientData, store: DeviceStore | None = None,
         prepare(model)
     local = ClientData(data.x.to(device), data.y.to(device), data.augment)
     with task_precision(hp, device):
-        outcome = procedure(model, local, hp, store if store is not None else DeviceStore(), task_generator(task))
+        outcome = procedure(
+            model, local, hp, store if store is not None else DeviceStore(), task_generator(task)
+        )
     trained = {k: v.detach().to("cpu").contiguous() for k, v in outcome.model.state_dict().items()}
     for key in outcome.untouched:
         trained.pop(key, None)
     seconds = time.perf_counter() - started
-    peak = (torch.cuda.max_memory_allocated(device) if use_cuda
-            else max(0, psutil.Process().memory_info().rss - rss_before))
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if use_cuda
+        else max(0, psutil.Process().memory_info().rss - rss_before)
+    )
     metrics = {
         "train_seconds": seconds,
         "loss_first": outcome.losses[0] if outcome.losses else None,
@@ -62,5 +72,13 @@ def run_task(task: Task, data: ClientData, store: DeviceStore | None = None,
         "untouched": sorted(outcome.untouched),
         **{k: v for k, v in outcome.extra.items() if isinstance(v, (int, float, str, bool))},
     }
-    return Result(round=task.round, device_id=task.device_id, task_id=task.task_id, spec_id=spec.id,
-                  weights=trained, num_samples=outcome.num_samples, metrics=metrics, model_id=task.model_id)
+    return Result(
+        round=task.round,
+        device_id=task.device_id,
+        task_id=task.task_id,
+        spec_id=spec.id,
+        weights=trained,
+        num_samples=outcome.num_samples,
+        metrics=metrics,
+        model_id=task.model_id,
+    )

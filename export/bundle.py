@@ -17,8 +17,6 @@ BUNDLE_FORMAT = 1
 MANIFEST_NAME = "bundle.json"
 
 
-
-
 def write_bundle(folder: Path, manifest: dict[str, Any], files: list[str]) -> Path:
     """Hash `files` (names inside `folder`) into manifest["files"] and write bundle.json atomically."""
     body = {

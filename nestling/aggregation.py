@@ -48,11 +48,14 @@ class Contribution:
     tensors: dict[str, torch.Tensor]
     regions: dict[str, Region]
     weight: float = 1.0
-    row_masks: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> bool over dim 0 (HeteroFL classes)
+    row_masks: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # key -> bool over dim 0 (HeteroFL classes)
 
 
-def masked_mean(global_state: dict[str, torch.Tensor], contributions: list[Contribution],
-                keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+def masked_mean(
+    global_state: dict[str, torch.Tensor], contributions: list[Contribution], keys: set[str] | None = None
+) -> dict[str, torch.Tensor]:
     """New tensors for every key any contribution touched (others are not returned: unchanged)."""
     by_key: dict[str, list[Contribution]] = defaultdict(list)
     for contribution in contributions:
@@ -101,8 +104,9 @@ def _aggregate_key(old: torch.Tensor, key: str, group: list[Contribution]) -> to
     return result.to(old.dtype)
 
 
-
-def _coordinatewise(old: torch.Tensor, key: str, group: list[Contribution], rule: str, trim: float) -> torch.Tensor:
+def _coordinatewise(
+    old: torch.Tensor, key: str, group: list[Contribution], rule: str, trim: float
+) -> torch.Tensor:
     """Trimmed mean or median per element over the contributions holding it (NaN marks 'not held')."""
     dtype = torch.float64 if old.dtype == torch.float64 else torch.float32
     stack = torch.full((len(group), *old.shape), float("nan"), dtype=dtype)

@@ -15,20 +15,46 @@ from nestling.errors import NestlingError
 # subcommand → (module, function taking argv); modules are imported only when their command runs.
 EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
     "broker": ("nestling.server.broker", "broker_main", "run the embedded MQTT broker"),
-    "broker-config": ("nestling.server.broker_config", "broker_config_main", "write mosquitto config, ACLs, passwords, certs"),
+    "broker-config": (
+        "nestling.server.broker_config",
+        "broker_config_main",
+        "write mosquitto config, ACLs, passwords, certs",
+    ),
     "server": ("nestling.server.fleet", "server_main", "coordinate a fleet over MQTT"),
     "agent": ("nestling.edge.agent_cli", "agent_main", "run the board agent (or: agent install-service)"),
-    "profile": ("nestling.profiler.cli", "profile_main", "measure per-block latency and memory on this machine"),
-    "plan": ("nestling.server.plan_cli", "plan_main", "turn device budgets into submodels / depth decompositions"),
-    "export": ("nestling.export.cli", "export_main", "export a trained submodel as an ONNX / TensorRT bundle"),
+    "profile": (
+        "nestling.profiler.cli",
+        "profile_main",
+        "measure per-block latency and memory on this machine",
+    ),
+    "plan": (
+        "nestling.server.plan_cli",
+        "plan_main",
+        "turn device budgets into submodels / depth decompositions",
+    ),
+    "export": (
+        "nestling.export.cli",
+        "export_main",
+        "export a trained submodel as an ONNX / TensorRT bundle",
+    ),
     "infer": ("nestling.export.infer", "infer_main", "run an exported bundle with onnxruntime + numpy only"),
     "traces": ("nestling.simulator.traces_cli", "traces_main", "generate or import device traces"),
 }
 
 SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
-    ("--method", "method.name", str, "fedavg, heterofl, fjord, depthfl, scalefl, nefl-w, nefl-d, nefl-wd, ..."),
+    (
+        "--method",
+        "method.name",
+        str,
+        "fedavg, heterofl, fjord, depthfl, scalefl, nefl-w, nefl-d, nefl-wd, ...",
+    ),
     ("--model", "model.arch", str, "tinycnn, resnet20/56/110, preresnet20, resnet18/34, vit"),
-    ("--dataset", "data.dataset", str, "digits (default, no download), synthetic, fashion-mnist, cifar10, cifar100"),
+    (
+        "--dataset",
+        "data.dataset",
+        str,
+        "digits (default, no download), synthetic, fashion-mnist, cifar10, cifar100",
+    ),
     ("--data-root", "data.root", str, "folder holding the dataset files"),
     ("--partition", "data.partition", str, "iid, dirichlet, balanced-dirichlet, shards, unbalanced, scalefl"),
     ("--alpha", "data.alpha", float, "Dirichlet concentration"),
@@ -66,13 +92,24 @@ def _parse_value(raw: str) -> Any:
 
 def simulate_parser(prog: str = "nestling simulate") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Run a federated simulation in one process.")
-    parser.add_argument("--config", type=Path, help="TOML config file ([run] [data] [model] [method] [train])")
+    parser.add_argument(
+        "--config", type=Path, help="TOML config file ([run] [data] [model] [method] [train])"
+    )
     for flag, _, kind, help_text in SIMULATE_FLAGS:
         parser.add_argument(flag, type=kind, help=help_text)
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="any other config value, e.g. --set method.flex=1 (repeatable)")
-    parser.add_argument("--out", type=Path, help="output directory (metrics.jsonl, summary.json, accuracy.png)")
-    parser.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its newest checkpoint")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="any other config value, e.g. --set method.flex=1 (repeatable)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="output directory (metrics.jsonl, summary.json, accuracy.png)"
+    )
+    parser.add_argument(
+        "--resume", type=Path, metavar="DIR", help="continue the run in DIR from its newest checkpoint"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -108,7 +145,9 @@ def simulate_main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.resume is None:
         write_config(cfg, out / "config.toml")
-    with RoundProgress(cfg.run.rounds, enabled=not args.quiet, title=f"{cfg.method.name} · {cfg.model.arch}") as progress:
+    with RoundProgress(
+        cfg.run.rounds, enabled=not args.quiet, title=f"{cfg.method.name} · {cfg.model.arch}"
+    ) as progress:
         summary = run_simulation(cfg, out, resume=args.resume is not None, on_round=progress.update)
     print_submodel_table(summary)
     print(f"results in {out}")
@@ -130,8 +169,11 @@ def _run_external(module: str, function: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"simulate": "run a federated simulation in one process", "demo": "the embedded-default demo",
-                **{name: help_text for name, (_, _, help_text) in EXTERNAL_COMMANDS.items()}}
+    commands = {
+        "simulate": "run a federated simulation in one process",
+        "demo": "the embedded-default demo",
+        **{name: help_text for name, (_, _, help_text) in EXTERNAL_COMMANDS.items()},
+    }
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: nestling COMMAND [options]\n\ncommands:")
         for name, help_text in commands.items():

@@ -58,8 +58,12 @@ class TrainSection:
 
     def local_hparams(self) -> dict[str, Any]:
         """What every task of a run carries for local training (strategies add their own on top)."""
-        hp: dict[str, Any] = {"local_epochs": self.local_epochs, "batch_size": self.batch_size,
-                              "momentum": self.momentum, "weight_decay": self.weight_decay}
+        hp: dict[str, Any] = {
+            "local_epochs": self.local_epochs,
+            "batch_size": self.batch_size,
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+        }
         if self.local_steps is not None:
             hp["local_steps"] = self.local_steps
         if self.grad_clip is not None:
@@ -132,11 +136,20 @@ class SimConfig:
             (self.run.backend in BACKENDS, f"[run] backend must be one of {', '.join(BACKENDS)}"),
             (self.run.batching in BATCHING, f"[run] batching must be one of {', '.join(BATCHING)}"),
             (self.train.precision in PRECISIONS, f"[train] precision must be one of {', '.join(PRECISIONS)}"),
-            (self.run.aggregation in AGGREGATIONS, f"[run] aggregation must be one of {', '.join(AGGREGATIONS)}"),
+            (
+                self.run.aggregation in AGGREGATIONS,
+                f"[run] aggregation must be one of {', '.join(AGGREGATIONS)}",
+            ),
             (0.0 <= self.run.trim_fraction < 0.5, "[run] trim_fraction must be in [0, 0.5)"),
             (self.run.update_norm_factor > 1, "[run] update_norm_factor must be > 1"),
-            (self.run.max_update_norm is None or self.run.max_update_norm > 0, "[run] max_update_norm must be > 0"),
-            (self.run.clip_update_norm is None or self.run.clip_update_norm > 0, "[run] clip_update_norm must be > 0"),
+            (
+                self.run.max_update_norm is None or self.run.max_update_norm > 0,
+                "[run] max_update_norm must be > 0",
+            ),
+            (
+                self.run.clip_update_norm is None or self.run.clip_update_norm > 0,
+                "[run] clip_update_norm must be > 0",
+            ),
             (self.run.divergence_factor > 1, "[run] divergence_factor must be > 1"),
             (self.run.quarantine_rounds >= 0, "[run] quarantine_rounds must be >= 0"),
         ]
@@ -147,12 +160,22 @@ class SimConfig:
 
 
 SECTIONS = {f.name: f.type for f in fields(SimConfig)}
-_SECTION_TYPES = {"run": RunSection, "data": DataSection, "model": ModelSection, "method": MethodSection,
-                  "train": TrainSection}
+_SECTION_TYPES = {
+    "run": RunSection,
+    "data": DataSection,
+    "model": ModelSection,
+    "method": MethodSection,
+    "train": TrainSection,
+}
 
 
 # Optional fields default to None; check a given value against the declared type instead.
-_OPTIONAL_SAMPLES: dict[str, Any] = {"bool | None": False, "int | None": 0, "float | None": 0.0, "str | None": ""}
+_OPTIONAL_SAMPLES: dict[str, Any] = {
+    "bool | None": False,
+    "int | None": 0,
+    "float | None": 0.0,
+    "str | None": "",
+}
 
 
 def _coerce(section: str, key: str, value: Any, default: Any, annotation: str = "") -> Any:

@@ -78,15 +78,24 @@ class BrokerSettings:
         bad = [k for k, v in table.items() if not isinstance(v, str)]
         if bad:
             raise ConfigError(f"[broker] {', '.join(bad)} must be strings")
-        values = {k: (str(base / v) if k in ("credentials", "ca_file", "cert_file", "key_file") else v)
-                  for k, v in table.items() if v != ""}
+        values = {
+            k: (str(base / v) if k in ("credentials", "ca_file", "cert_file", "key_file") else v)
+            for k, v in table.items()
+            if v != ""
+        }
         settings = cls(**values)
         if settings.credentials is not None:
             creds = read_credentials(Path(settings.credentials))
-            settings = cls(url=table.get("url") or creds.url, fleet=table.get("fleet") or creds.fleet,
-                           credentials=settings.credentials, username=creds.username, password=creds.password,
-                           ca_file=str(creds.tls.ca_file), cert_file=str(creds.tls.cert_file),
-                           key_file=str(creds.tls.key_file))
+            settings = cls(
+                url=table.get("url") or creds.url,
+                fleet=table.get("fleet") or creds.fleet,
+                credentials=settings.credentials,
+                username=creds.username,
+                password=creds.password,
+                ca_file=str(creds.tls.ca_file),
+                cert_file=str(creds.tls.cert_file),
+                key_file=str(creds.tls.key_file),
+            )
         settings.check()
         return settings
 
@@ -107,13 +116,23 @@ class BrokerSettings:
         if not parse_broker_url(self.url).tls:
             return None
         assert self.ca_file is not None
-        return TlsFiles(Path(self.ca_file), Path(self.cert_file) if self.cert_file else None,
-                        Path(self.key_file) if self.key_file else None)
+        return TlsFiles(
+            Path(self.ca_file),
+            Path(self.cert_file) if self.cert_file else None,
+            Path(self.key_file) if self.key_file else None,
+        )
 
-    def client(self, client_id: str, *, will: tuple[str, bytes, bool] | None = None,
-               clean_session: bool = False) -> mqtt.Client:
+    def client(
+        self, client_id: str, *, will: tuple[str, bytes, bool] | None = None, clean_session: bool = False
+    ) -> mqtt.Client:
         """A paho client for this broker (TCP_NODELAY, TLS, credentials, last will); not yet connected.
 
         Sessions are persistent by default: QoS 1 messages sent while a peer is briefly away wait for it."""
-        return make_client(client_id, username=self.username, password=self.password, tls=self.tls(), will=will,
-                           clean_session=clean_session)
+        return make_client(
+            client_id,
+            username=self.username,
+            password=self.password,
+            tls=self.tls(),
+            will=will,
+            clean_session=clean_session,
+        )

@@ -21,7 +21,11 @@ from nestling.wire.codec import Message, decode_message, encode_message
 
 EXPORT, EXPORT_REPORT = "export", "export_report"
 REPORT_STATUSES = ("ok", "failed")
-BUNDLE_MODELS = ("onnx", "int8", "tensorrt")  # what a bundle can hold: fp32 ONNX, int8 ONNX, a TensorRT engine
+BUNDLE_MODELS = (
+    "onnx",
+    "int8",
+    "tensorrt",
+)  # what a bundle can hold: fp32 ONNX, int8 ONNX, a TensorRT engine
 MAX_TEXT = 2000  # error text and reasons are cut to this many characters: a report stays a control message
 MAX_PATH = 1024
 MAX_FILES = 16
@@ -61,11 +65,21 @@ class ExportOrder:
 
 
 def encode_export_order(order: ExportOrder, session: str) -> bytes:
-    meta = {"order_id": order.order_id, "session": session, "name": order.name, "spec": order.spec,
-            "ensemble": order.ensemble, "static_bn": order.static_bn, "active_width": order.active_width,
-            "method": order.method or "unknown"}
-    return encode_message(EXPORT, {"round": order.round, "device_id": order.device_id, "spec_id": order.spec_id,
-                                   "meta": meta}, order.weights)
+    meta = {
+        "order_id": order.order_id,
+        "session": session,
+        "name": order.name,
+        "spec": order.spec,
+        "ensemble": order.ensemble,
+        "static_bn": order.static_bn,
+        "active_width": order.active_width,
+        "method": order.method or "unknown",
+    }
+    return encode_message(
+        EXPORT,
+        {"round": order.round, "device_id": order.device_id, "spec_id": order.spec_id, "meta": meta},
+        order.weights,
+    )
 
 
 def decode_export_order(message: Message) -> tuple[ExportOrder, str]:
@@ -74,14 +88,22 @@ def decode_export_order(message: Message) -> tuple[ExportOrder, str]:
     if message.round is None or message.device_id is None or message.spec_id is None:
         raise WireError("an export order names its round, device and spec")
     width = meta.get("active_width")
-    if width is not None and (isinstance(width, bool) or not isinstance(width, (int, float))
-                              or not 0 < width <= 1):
+    if width is not None and (
+        isinstance(width, bool) or not isinstance(width, (int, float)) or not 0 < width <= 1
+    ):
         raise WireError(f"field 'active_width' must be a number in (0, 1] or null, got {width!r:.40}")
-    order = ExportOrder(device_id=message.device_id, round=message.round, order_id=_short(meta, "order_id"),
-                        name=_short(meta, "name"), spec=_require(meta, "spec", dict, "an object"),
-                        weights=message.tensors, ensemble=_flag(meta, "ensemble"),
-                        static_bn=_flag(meta, "static_bn"),
-                        active_width=None if width is None else float(width), method=_short(meta, "method"))
+    order = ExportOrder(
+        device_id=message.device_id,
+        round=message.round,
+        order_id=_short(meta, "order_id"),
+        name=_short(meta, "name"),
+        spec=_require(meta, "spec", dict, "an object"),
+        weights=message.tensors,
+        ensemble=_flag(meta, "ensemble"),
+        static_bn=_flag(meta, "static_bn"),
+        active_width=None if width is None else float(width),
+        method=_short(meta, "method"),
+    )
     return order, _short(meta, "session")
 
 
@@ -98,19 +120,34 @@ class ExportReport:
     models: list[str] = field(default_factory=list)  # in the bundle: onnx (fp32), int8, tensorrt
     bundle: str | None = None  # the bundle folder on the board
     files: dict[str, str] = field(default_factory=dict)  # file name → sha256 (bundle.json included)
-    parity: dict[str, Any] = field(default_factory=dict)  # model → max_abs, max_rel, top1_agreement (worst case)
+    parity: dict[str, Any] = field(
+        default_factory=dict
+    )  # model → max_abs, max_rel, top1_agreement (worst case)
     latency_ms: dict[str, Any] = field(default_factory=dict)  # batch_1 / batch_32 → runtime → p50_ms, p90_ms
     accuracy: dict[str, Any] = field(default_factory=dict)  # held-out accuracy per runtime, when measured
-    tensorrt: dict[str, Any] = field(default_factory=dict)  # requested, built, precision, reason it was skipped
+    tensorrt: dict[str, Any] = field(
+        default_factory=dict
+    )  # requested, built, precision, reason it was skipped
     error: str | None = None
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device_id": self.device_id, "order_id": self.order_id, "spec_id": self.spec_id,
-                "status": self.status, "submodel": self.submodel, "models": list(self.models),
-                "bundle": self.bundle, "files": dict(self.files), "parity": self.parity,
-                "latency_ms": self.latency_ms, "accuracy": self.accuracy, "tensorrt": self.tensorrt,
-                "error": self.error, "seconds": self.seconds}
+        return {
+            "device_id": self.device_id,
+            "order_id": self.order_id,
+            "spec_id": self.spec_id,
+            "status": self.status,
+            "submodel": self.submodel,
+            "models": list(self.models),
+            "bundle": self.bundle,
+            "files": dict(self.files),
+            "parity": self.parity,
+            "latency_ms": self.latency_ms,
+            "accuracy": self.accuracy,
+            "tensorrt": self.tensorrt,
+            "error": self.error,
+            "seconds": self.seconds,
+        }
 
 
 def cut(text: str, limit: int = MAX_TEXT) -> str:
@@ -123,8 +160,9 @@ def encode_export_report(report: ExportReport, session: str) -> bytes:
     for name in ("device_id", "spec_id"):
         del meta[name]
     meta["error"] = None if report.error is None else cut(report.error)
-    payload = encode_message(EXPORT_REPORT, {"device_id": report.device_id, "spec_id": report.spec_id,
-                                             "meta": _json_safe(meta)})
+    payload = encode_message(
+        EXPORT_REPORT, {"device_id": report.device_id, "spec_id": report.spec_id, "meta": _json_safe(meta)}
+    )
     decode_export_report(payload)  # refuse to send what the server would refuse (size, types, a long path)
     return payload
 
@@ -163,7 +201,13 @@ def _files(value: Any) -> dict[str, str]:
     if not isinstance(value, dict) or len(value) > MAX_FILES:
         raise WireError(f"field 'files' must be an object of at most {MAX_FILES} entries")
     for name, digest in value.items():
-        if not isinstance(name, str) or not 0 < len(name) <= 128 or "/" in name or "\\" in name or name in (".", ".."):
+        if (
+            not isinstance(name, str)
+            or not 0 < len(name) <= 128
+            or "/" in name
+            or "\\" in name
+            or name in (".", "..")
+        ):
             raise WireError(f"field 'files' names an illegal file {name!r:.60}")
         if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _SHA256_HEX:
             raise WireError(f"field 'files' gives {name!r} a sha256 that is not 64 hex digits")
@@ -180,18 +224,31 @@ def decode_export_report(payload: bytes) -> tuple[ExportReport, str]:
     if status not in REPORT_STATUSES:
         raise WireError(f"field 'status' must be one of {REPORT_STATUSES}, got {status!r:.40}")
     models = meta.get("models")
-    if not isinstance(models, list) or not set(models) <= set(BUNDLE_MODELS) or len(models) > len(BUNDLE_MODELS):
+    if (
+        not isinstance(models, list)
+        or not set(models) <= set(BUNDLE_MODELS)
+        or len(models) > len(BUNDLE_MODELS)
+    ):
         raise WireError(f"field 'models' must list some of {BUNDLE_MODELS}, got {models!r:.60}")
     seconds = meta.get("seconds")
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1e7:
         raise WireError(f"field 'seconds' must be a number >= 0, got {seconds!r:.40}")
     report = ExportReport(
-        device_id=message.device_id, order_id=_short(meta, "order_id"), spec_id=message.spec_id, status=status,
-        submodel=_text(meta, "submodel", 128) or "", models=list(models),
-        bundle=_text(meta, "bundle", MAX_PATH, optional=True), files=_files(meta.get("files")),
-        parity=_table(meta.get("parity"), "parity", 2), latency_ms=_table(meta.get("latency_ms"), "latency_ms", 3),
-        accuracy=_table(meta.get("accuracy"), "accuracy", 1), tensorrt=_table(meta.get("tensorrt"), "tensorrt", 1),
-        error=_text(meta, "error", MAX_TEXT, optional=True), seconds=float(seconds))
+        device_id=message.device_id,
+        order_id=_short(meta, "order_id"),
+        spec_id=message.spec_id,
+        status=status,
+        submodel=_text(meta, "submodel", 128) or "",
+        models=list(models),
+        bundle=_text(meta, "bundle", MAX_PATH, optional=True),
+        files=_files(meta.get("files")),
+        parity=_table(meta.get("parity"), "parity", 2),
+        latency_ms=_table(meta.get("latency_ms"), "latency_ms", 3),
+        accuracy=_table(meta.get("accuracy"), "accuracy", 1),
+        tensorrt=_table(meta.get("tensorrt"), "tensorrt", 1),
+        error=_text(meta, "error", MAX_TEXT, optional=True),
+        seconds=float(seconds),
+    )
     if report.status == "ok" and (not report.models or report.bundle is None):
         raise WireError("an 'ok' export report names its bundle folder and the models in it")
     if report.status == "failed" and not report.error:

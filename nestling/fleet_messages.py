@@ -16,7 +16,14 @@ from nestling.errors import WireError
 from nestling.messages import Result, Task
 from nestling.wire.codec import Message, decode_message, encode_message
 
-HELLO, STATUS, TASK, RESULT, REHELLO, SERVER_STATUS = "hello", "status", "task", "result", "rehello", "server_status"
+HELLO, STATUS, TASK, RESULT, REHELLO, SERVER_STATUS = (
+    "hello",
+    "status",
+    "task",
+    "result",
+    "rehello",
+    "server_status",
+)
 DEVICE_STATES = ("online", "training", "exporting")  # exporting: building its deployable after a run
 SERVER_PHASES = ("waiting", "training", "aggregating", "done")
 CONTROL_BYTES = 64 * 1024  # hello / status / ctrl frames carry no tensors: a header and nothing else
@@ -65,10 +72,20 @@ def _expect(message: Message, kind: str) -> dict[str, Any]:
 
 # -- tasks (server → device) -------------------------------------------------------------------
 def encode_task(task: Task, session: str) -> bytes:
-    meta = {"task_id": task.task_id, "session": session, "spec": task.spec, "procedure": task.procedure,
-            "hparams": _json_safe(task.hparams), "deadline_s": task.deadline_s, "model_id": task.model_id}
-    return encode_message(TASK, {"round": task.round, "device_id": task.device_id, "spec_id": task.spec_id,
-                                 "meta": meta}, task.weights)
+    meta = {
+        "task_id": task.task_id,
+        "session": session,
+        "spec": task.spec,
+        "procedure": task.procedure,
+        "hparams": _json_safe(task.hparams),
+        "deadline_s": task.deadline_s,
+        "model_id": task.model_id,
+    }
+    return encode_message(
+        TASK,
+        {"round": task.round, "device_id": task.device_id, "spec_id": task.spec_id, "meta": meta},
+        task.weights,
+    )
 
 
 def decode_task(message: Message) -> tuple[Task, str]:
@@ -79,19 +96,34 @@ def decode_task(message: Message) -> tuple[Task, str]:
     deadline = meta.get("deadline_s")
     if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool)):
         raise WireError(f"field 'deadline_s' must be a number or null, got {deadline!r:.40}")
-    task = Task(round=message.round, device_id=message.device_id,
-                spec=_require(meta, "spec", dict, "an object"), weights=message.tensors,
-                procedure=_short(meta, "procedure"), hparams=_require(meta, "hparams", dict, "an object"),
-                deadline_s=deadline, task_id=_short(meta, "task_id"), model_id=_short(meta, "model_id"))
+    task = Task(
+        round=message.round,
+        device_id=message.device_id,
+        spec=_require(meta, "spec", dict, "an object"),
+        weights=message.tensors,
+        procedure=_short(meta, "procedure"),
+        hparams=_require(meta, "hparams", dict, "an object"),
+        deadline_s=deadline,
+        task_id=_short(meta, "task_id"),
+        model_id=_short(meta, "model_id"),
+    )
     return task, _short(meta, "session")
 
 
 # -- results (device → server) -----------------------------------------------------------------
 def encode_result(result: Result, session: str) -> bytes:
-    meta = {"task_id": result.task_id, "session": session, "num_samples": result.num_samples,
-            "metrics": _json_safe(result.metrics), "model_id": result.model_id}
-    return encode_message(RESULT, {"round": result.round, "device_id": result.device_id,
-                                   "spec_id": result.spec_id, "meta": meta}, result.weights)
+    meta = {
+        "task_id": result.task_id,
+        "session": session,
+        "num_samples": result.num_samples,
+        "metrics": _json_safe(result.metrics),
+        "model_id": result.model_id,
+    }
+    return encode_message(
+        RESULT,
+        {"round": result.round, "device_id": result.device_id, "spec_id": result.spec_id, "meta": meta},
+        result.weights,
+    )
 
 
 def decode_result(message: Message) -> tuple[Result, str]:
@@ -99,9 +131,16 @@ def decode_result(message: Message) -> tuple[Result, str]:
     meta = _expect(message, RESULT)
     if message.round is None or message.device_id is None or message.spec_id is None:
         raise WireError("a result names its round, device and spec")
-    result = Result(round=message.round, device_id=message.device_id, task_id=_short(meta, "task_id"),
-                    spec_id=message.spec_id, weights=message.tensors, num_samples=_count(meta, "num_samples"),
-                    metrics=_require(meta, "metrics", dict, "an object"), model_id=_short(meta, "model_id"))
+    result = Result(
+        round=message.round,
+        device_id=message.device_id,
+        task_id=_short(meta, "task_id"),
+        spec_id=message.spec_id,
+        weights=message.tensors,
+        num_samples=_count(meta, "num_samples"),
+        metrics=_require(meta, "metrics", dict, "an object"),
+        model_id=_short(meta, "model_id"),
+    )
     return result, _short(meta, "session")
 
 
@@ -130,8 +169,14 @@ class DeviceStatus:
 
 
 def encode_status(status: DeviceStatus) -> bytes:
-    return encode_message(STATUS, {"device_id": status.device_id, "round": status.round,
-                                   "meta": {"state": status.state, "resources": _json_safe(status.resources)}})
+    return encode_message(
+        STATUS,
+        {
+            "device_id": status.device_id,
+            "round": status.round,
+            "meta": {"state": status.state, "resources": _json_safe(status.resources)},
+        },
+    )
 
 
 def decode_status(payload: bytes) -> DeviceStatus:
@@ -140,7 +185,9 @@ def decode_status(payload: bytes) -> DeviceStatus:
     state = meta.get("state")
     if message.device_id is None or state not in DEVICE_STATES:
         raise WireError(f"a status names its device and a state in {DEVICE_STATES}, got {state!r:.40}")
-    return DeviceStatus(message.device_id, state, message.round, _require(meta, "resources", dict, "an object"))
+    return DeviceStatus(
+        message.device_id, state, message.round, _require(meta, "resources", dict, "an object")
+    )
 
 
 # -- server status (retained) and control ------------------------------------------------------
@@ -154,8 +201,9 @@ class ServerStatus:
 
 
 def encode_server_status(status: ServerStatus) -> bytes:
-    return encode_message(SERVER_STATUS, {"round": status.round,
-                                          "meta": {"session": status.session, "phase": status.phase}})
+    return encode_message(
+        SERVER_STATUS, {"round": status.round, "meta": {"session": status.session, "phase": status.phase}}
+    )
 
 
 def decode_server_status(payload: bytes) -> ServerStatus:

@@ -26,8 +26,14 @@ Clock = Callable[[], float]
 class Outbound:
     """Frames to publish for one encoded message; chunked ones are kept to answer re-requests."""
 
-    def __init__(self, chunk_size: int, *, max_cached_bytes: int = 512 * 1024 * 1024, ttl_s: float = 300.0,
-                 max_transfers: int = 256) -> None:
+    def __init__(
+        self,
+        chunk_size: int,
+        *,
+        max_cached_bytes: int = 512 * 1024 * 1024,
+        ttl_s: float = 300.0,
+        max_transfers: int = 256,
+    ) -> None:
         self.chunk_size = chunk_size
         self.cache = ChunkCache(max_transfers=max_transfers, max_bytes=max_cached_bytes, ttl_s=ttl_s)
         self.owners: dict[str, str] = {}  # transfer id → the peer it was sent to (only it may re-request)
@@ -68,9 +74,13 @@ class Inbound:
     asked: dict[str, _Asked] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.assembler = ChunkAssembler(max_transfers=2, max_buffered_bytes=2 * self.max_payload_bytes,
-                                        max_payload_bytes=self.max_payload_bytes, ttl_s=self.ttl_s,
-                                        clock=self.clock)
+        self.assembler = ChunkAssembler(
+            max_transfers=2,
+            max_buffered_bytes=2 * self.max_payload_bytes,
+            max_payload_bytes=self.max_payload_bytes,
+            ttl_s=self.ttl_s,
+            clock=self.clock,
+        )
 
     def add(self, chunk: bytes) -> bytes | None:
         """The verified payload when `chunk` completes it (WireError for a bad chunk)."""

@@ -23,9 +23,15 @@ class RoundProgress:
     def __init__(self, rounds: int, *, enabled: bool = True, title: str = "rounds") -> None:
         self.enabled = enabled
         self.rounds = rounds
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-                                 disable=not enabled)
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            disable=not enabled,
+        )
         self.title = title
         self.task_id: Any = None
 
@@ -34,8 +40,9 @@ class RoundProgress:
         self.task_id = self.progress.add_task(self.title, total=self.rounds, status="")
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.progress.__exit__(exc_type, exc, traceback)
 
     def update(self, record: Any) -> None:
@@ -51,13 +58,23 @@ class RoundProgress:
 def print_submodel_table(summary: dict[str, Any], console: Console | None = None) -> None:
     """The per-submodel accuracy table every run ends with."""
     console = console or Console()
-    table = Table(title=f"{summary['method']} · {summary['model']} · {summary['dataset']} · {summary['rounds']} rounds")
+    table = Table(
+        title=f"{summary['method']} · {summary['model']} · {summary['dataset']} · {summary['rounds']} rounds"
+    )
     for column in ("submodel", "id", "accuracy", "loss", "parameters", "MACs"):
         table.add_column(column, justify="right" if column not in ("submodel", "id") else "left")
     for sub in summary["submodels"]:
-        table.add_row(sub["name"], sub["id"], f"{100 * sub['accuracy']:.2f}%", f"{sub['loss']:.3f}",
-                      f"{sub['parameters']:,}", f"{sub['macs']:,}")
+        table.add_row(
+            sub["name"],
+            sub["id"],
+            f"{100 * sub['accuracy']:.2f}%",
+            f"{sub['loss']:.3f}",
+            f"{sub['parameters']:,}",
+            f"{sub['macs']:,}",
+        )
     console.print(table)
     if summary.get("worst_accuracy") is not None:
-        console.print(f"worst {100 * summary['worst_accuracy']:.2f}%  avg {100 * summary['avg_accuracy']:.2f}%  "
-                      f"wall {summary['wall_seconds']:.1f}s  train {summary['train_seconds']:.1f}s")
+        console.print(
+            f"worst {100 * summary['worst_accuracy']:.2f}%  avg {100 * summary['avg_accuracy']:.2f}%  "
+            f"wall {summary['wall_seconds']:.1f}s  train {summary['train_seconds']:.1f}s"
+        )

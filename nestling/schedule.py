@@ -32,8 +32,8 @@ class LrSchedule:
             return self.lr
         if self.kind == "step":
             passed = sum(1 for m in self.milestones if round_index >= int(m * total_rounds))
-            return self.lr * self.gamma ** passed
+            return self.lr * self.gamma**passed
         if self.kind == "cosine":
             progress = round_index / max(1, total_rounds)
             return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
-        return self.lr * self.gamma ** round_index
+        return self.lr * self.gamma**round_index

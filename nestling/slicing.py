@@ -31,7 +31,9 @@ def _roles_of(net: nn.Module) -> dict[str, str]:
     roles: dict[str, str] = {}
     for module_name, module in net.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        for name, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        for name, _ in list(module.named_parameters(recurse=False)) + list(
+            module.named_buffers(recurse=False)
+        ):
             key = prefix + name
             if isinstance(module, SlimBatchNorm2d):
                 roles[key] = "norm"
@@ -69,8 +71,13 @@ def check_compatible(global_state: dict[str, torch.Tensor], spec: SubmodelSpec) 
             raise SpecError(f"submodel tensor '{key}' {shape} does not fit in global {global_shape}")
 
 
-def extract(global_state: dict[str, torch.Tensor], spec: SubmodelSpec, *, keys: set[str] | None = None,
-            copy: bool = True) -> dict[str, torch.Tensor]:
+def extract(
+    global_state: dict[str, torch.Tensor],
+    spec: SubmodelSpec,
+    *,
+    keys: set[str] | None = None,
+    copy: bool = True,
+) -> dict[str, torch.Tensor]:
     """The submodel's weights out of the global state (a copy unless `copy=False`, then views)."""
     out: dict[str, torch.Tensor] = {}
     for key, region in slices_for(spec).items():
@@ -81,7 +88,9 @@ def extract(global_state: dict[str, torch.Tensor], spec: SubmodelSpec, *, keys: 
     return out
 
 
-def scatter(global_state: dict[str, torch.Tensor], sub_state: dict[str, torch.Tensor], spec: SubmodelSpec) -> None:
+def scatter(
+    global_state: dict[str, torch.Tensor], sub_state: dict[str, torch.Tensor], spec: SubmodelSpec
+) -> None:
     """Write a submodel's tensors back into their global regions, in place."""
     regions = slices_for(spec)
     for key, tensor in sub_state.items():
@@ -91,8 +100,9 @@ def scatter(global_state: dict[str, torch.Tensor], sub_state: dict[str, torch.Te
         global_state[key][region].copy_(tensor)
 
 
-def check_result_tensors(sub_state: dict[str, torch.Tensor], spec: SubmodelSpec,
-                         reference: dict[str, torch.Tensor]) -> None:
+def check_result_tensors(
+    sub_state: dict[str, torch.Tensor], spec: SubmodelSpec, reference: dict[str, torch.Tensor]
+) -> None:
     """Validate an uploaded state against its spec: names, shapes, dtypes, finiteness (bad input never lands)."""
     shapes = _shapes_and_roles(spec)[0]
     unknown = sorted(set(sub_state) - set(shapes))
@@ -102,6 +112,8 @@ def check_result_tensors(sub_state: dict[str, torch.Tensor], spec: SubmodelSpec,
         if tuple(tensor.shape) != shapes[key]:
             raise SpecError(f"result tensor '{key}' has shape {tuple(tensor.shape)}, expected {shapes[key]}")
         if tensor.dtype != reference[key].dtype:
-            raise SpecError(f"result tensor '{key}' has dtype {tensor.dtype}, expected {reference[key].dtype}")
+            raise SpecError(
+                f"result tensor '{key}' has dtype {tensor.dtype}, expected {reference[key].dtype}"
+            )
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise SpecError(f"result tensor '{key}' contains NaN or Inf")

@@ -46,8 +46,10 @@ class SubmodelSpec:
             object.__setattr__(self, "block_widths", widths)
         missing = [e for e in self.exits if e not in self.model.exit_points]
         if missing:
-            raise SpecError(f"exits {missing} are not exit points of {self.model.arch} "
-                            f"(exit_points: {list(self.model.exit_points)})")
+            raise SpecError(
+                f"exits {missing} are not exit points of {self.model.arch} "
+                f"(exit_points: {list(self.model.exit_points)})"
+            )
         if self.depth is not None and self.depth < 1:
             raise SpecError(f"depth must keep at least one block, got {self.depth}")
         if self.depth is not None and self.head:
@@ -109,4 +111,4 @@ def width_from_param_fraction(gamma_w: float) -> float:
     """NeFL's γ_W is a parameter fraction; conv parameters scale with ρ², so ρ = √γ_W (METHODS §2.a.2)."""
     if not 0.0 < gamma_w <= 1.0:
         raise SpecError(f"parameter fraction must be in (0, 1], got {gamma_w}")
-    return gamma_w ** 0.5
+    return gamma_w**0.5

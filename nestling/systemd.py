@@ -24,40 +24,50 @@ class ServiceSpec:
     nice: int = 0
 
 
-def unit_text(service: ServiceSpec, config: Path, *, python: str = sys.executable, user: str | None = None,
-              working_dir: Path | None = None) -> str:
+def unit_text(
+    service: ServiceSpec,
+    config: Path,
+    *,
+    python: str = sys.executable,
+    user: str | None = None,
+    working_dir: Path | None = None,
+) -> str:
     """The unit file's text: restart on failure, one torch thread, start after the network is up."""
     config = Path(config).resolve()
     user = user or getpass.getuser()
-    command = " ".join(shlex.quote(part) for part in (python, "-m", service.module, *service.extra_args,
-                                                       "--config", str(config)))
-    return "\n".join([
-        "[Unit]",
-        f"Description={service.description}",
-        "Wants=network-online.target",
-        "After=network-online.target",
-        # Give up only after many quick failures (a wrong password should not spin forever).
-        "StartLimitIntervalSec=600",
-        "StartLimitBurst=20",
-        "",
-        "[Service]",
-        "Type=simple",
-        f"User={user}",
-        f"WorkingDirectory={working_dir or config.parent}",
-        "Environment=OMP_NUM_THREADS=1",
-        "Environment=PYTHONUNBUFFERED=1",
-        f"ExecStart={command}",
-        "Restart=on-failure",
-        "RestartSec=5",
-        # SIGTERM makes the process publish 'offline' and disconnect before it exits.
-        "KillSignal=SIGTERM",
-        "TimeoutStopSec=20",
-        *([f"Nice={service.nice}"] if service.nice else []),
-        "",
-        "[Install]",
-        "WantedBy=multi-user.target",
-        "",
-    ])
+    command = " ".join(
+        shlex.quote(part)
+        for part in (python, "-m", service.module, *service.extra_args, "--config", str(config))
+    )
+    return "\n".join(
+        [
+            "[Unit]",
+            f"Description={service.description}",
+            "Wants=network-online.target",
+            "After=network-online.target",
+            # Give up only after many quick failures (a wrong password should not spin forever).
+            "StartLimitIntervalSec=600",
+            "StartLimitBurst=20",
+            "",
+            "[Service]",
+            "Type=simple",
+            f"User={user}",
+            f"WorkingDirectory={working_dir or config.parent}",
+            "Environment=OMP_NUM_THREADS=1",
+            "Environment=PYTHONUNBUFFERED=1",
+            f"ExecStart={command}",
+            "Restart=on-failure",
+            "RestartSec=5",
+            # SIGTERM makes the process publish 'offline' and disconnect before it exits.
+            "KillSignal=SIGTERM",
+            "TimeoutStopSec=20",
+            *([f"Nice={service.nice}"] if service.nice else []),
+            "",
+            "[Install]",
+            "WantedBy=multi-user.target",
+            "",
+        ]
+    )
 
 
 def write_unit(service: ServiceSpec, config: Path, out: Path, *, user: str | None = None) -> Path:

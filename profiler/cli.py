@@ -20,7 +20,7 @@ from nestling.profiler.device import device_info
 from nestling.profiler.measure import profile_model
 from nestling.spec import SubmodelSpec
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _console() -> Console:
@@ -36,7 +36,9 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _profile_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nestling profile", description="Measure training cost per block on this machine.")
+    p = argparse.ArgumentParser(
+        prog="nestling profile", description="Measure training cost per block on this machine."
+    )
     p.add_argument("--model", choices=known_models(), help="architecture (or give --spec)")
     p.add_argument("--spec", type=Path, help="JSON SubmodelSpec to profile instead of --model/--width")
     p.add_argument("--width", type=float, default=1.0, help="channel ratio of the profiled submodel")
@@ -49,7 +51,9 @@ def _profile_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--name", help="device name recorded in the profile (default: host name)")
-    p.add_argument("--budget-mb", type=float, help="memory this device may spend on training, recorded for planning")
+    p.add_argument(
+        "--budget-mb", type=float, help="memory this device may spend on training, recorded for planning"
+    )
     p.add_argument("--gflops-seconds", type=float, default=1.0, help="duration of the sustained matmul test")
     p.add_argument("--out", type=Path, default=Path("profile.json"))
     return p
@@ -62,23 +66,48 @@ def _spec_from_args(args: argparse.Namespace) -> SubmodelSpec:
         return SubmodelSpec.from_dict(json.loads(args.spec.read_text()))
     if args.model is None:
         raise NestlingError("give --model or --spec")
-    model = ModelConfig(args.model, num_classes=args.classes, in_channels=args.in_channels,
-                        image_size=args.image_size, norm_stats=args.norm_stats)
+    model = ModelConfig(
+        args.model,
+        num_classes=args.classes,
+        in_channels=args.in_channels,
+        image_size=args.image_size,
+        norm_stats=args.norm_stats,
+    )
     return SubmodelSpec(model, width=args.width)
 
 
 def _profile_table(profile: dict[str, Any]) -> Table:
-    table = Table(title=f"{profile['model']['arch']} · batch {profile['model']['batch']} · {profile['model']['device']}")
-    for column in ("part", "params", "fwd ms (p50/p90)", "bwd ms (p50/p90)", "activations MiB", "training MiB"):
+    table = Table(
+        title=f"{profile['model']['arch']} · batch {profile['model']['batch']} · {profile['model']['device']}"
+    )
+    for column in (
+        "part",
+        "params",
+        "fwd ms (p50/p90)",
+        "bwd ms (p50/p90)",
+        "activations MiB",
+        "training MiB",
+    ):
         table.add_column(column, justify="left" if column == "part" else "right")
     for part in profile["parts"]:
         f, b, m = part["forward_ms"], part["backward_ms"], part["memory"]
-        table.add_row(part["name"], f"{part['params']:,}", f"{f['median']:.2f}/{f['p90']:.2f}",
-                      f"{b['median']:.2f}/{b['p90']:.2f}", f"{m['activations_bytes'] / MIB:.2f}",
-                      f"{m['training_bytes'] / MIB:.2f}")
+        table.add_row(
+            part["name"],
+            f"{part['params']:,}",
+            f"{f['median']:.2f}/{f['p90']:.2f}",
+            f"{b['median']:.2f}/{b['p90']:.2f}",
+            f"{m['activations_bytes'] / MIB:.2f}",
+            f"{m['training_bytes'] / MIB:.2f}",
+        )
     total = profile["total"]
-    table.add_row("[b]whole step", "", f"{total['step_ms']['median']:.1f}/{total['step_ms']['p90']:.1f}", "",
-                  f"{total['activations_bytes'] / MIB:.2f}", f"{total['peak_training_bytes'] / MIB:.2f}")
+    table.add_row(
+        "[b]whole step",
+        "",
+        f"{total['step_ms']['median']:.1f}/{total['step_ms']['p90']:.1f}",
+        "",
+        f"{total['activations_bytes'] / MIB:.2f}",
+        f"{total['peak_training_bytes'] / MIB:.2f}",
+    )
     return table
 
 
@@ -94,15 +123,22 @@ def profile_main(argv: list[str]) -> int:
     except (NestlingError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
-    profile = {"schema": measured.pop("schema"), "created": dt.datetime.now(dt.timezone.utc).isoformat(),
-               "name": args.name or device["hostname"], "device": device, **measured,
-               "budget": {"memory_bytes": int(args.budget_mb * MIB)} if args.budget_mb else None}
+    profile = {
+        "schema": measured.pop("schema"),
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "name": args.name or device["hostname"],
+        "device": device,
+        **measured,
+        "budget": {"memory_bytes": int(args.budget_mb * MIB)} if args.budget_mb else None,
+    }
     _write_json(args.out, profile)
     console.print(_profile_table(profile))
     rss = profile["total"]["rss"]
     if rss:
-        console.print(f"RSS growth over a forward pass: {rss['forward_delta_bytes'] / MIB:.1f} MiB "
-                      f"({rss['ratio_to_activations']:.2f}× the metered activations)")
+        console.print(
+            f"RSS growth over a forward pass: {rss['forward_delta_bytes'] / MIB:.1f} MiB "
+            f"({rss['ratio_to_activations']:.2f}× the metered activations)"
+        )
     console.print(f"sustained {device['compute']['gflops']:.1f} GFLOP/s · profile written to {args.out}")
     return 0
 

@@ -53,9 +53,16 @@ class StagePlan:
         return " ".join(parts) + skipped
 
 
-def greedy_stages(block_costs: Sequence[float], budget: float, tolerance: float = DEFAULT_TOLERANCE, *,
-                  stem_cost: float = 0.0, end_costs: Sequence[float] | None = None,
-                  shared: Sequence[float] | None = None, stem_every_stage: bool = False) -> StagePlan:
+def greedy_stages(
+    block_costs: Sequence[float],
+    budget: float,
+    tolerance: float = DEFAULT_TOLERANCE,
+    *,
+    stem_cost: float = 0.0,
+    end_costs: Sequence[float] | None = None,
+    shared: Sequence[float] | None = None,
+    stem_every_stage: bool = False,
+) -> StagePlan:
     """Consecutive blocks joined while a stage stays within budget·(1+τ) (METHODS §3.a.2).
 
     A stage costs its blocks, plus the stem for the first stage, plus `end_costs[e]`: the head it is
@@ -75,12 +82,16 @@ def greedy_stages(block_costs: Sequence[float], budget: float, tolerance: float 
     alone = [base + block_costs[b] + ends[b + 1] <= limit for b in range(n)]
     first = next((b for b in range(n) if alone[b]), n)
     if first == n:
-        raise ConfigError(f"no block fits the budget {budget:.4g} (+{tolerance:.0%}); smallest needs "
-                          f"{min(c + e for c, e in zip(block_costs, ends[1:])):.4g}")
+        raise ConfigError(
+            f"no block fits the budget {budget:.4g} (+{tolerance:.0%}); smallest needs "
+            f"{min(c + e for c, e in zip(block_costs, ends[1:])):.4g}"
+        )
     late = [b for b in range(first, n) if not alone[b]]
     if late:
-        raise ConfigError(f"block {late[0]} needs {base + block_costs[late[0]] + ends[late[0] + 1]:.4g} > budget "
-                          f"{limit:.4g}: only an input-side prefix of blocks can be bypassed")
+        raise ConfigError(
+            f"block {late[0]} needs {base + block_costs[late[0]] + ends[late[0] + 1]:.4g} > budget "
+            f"{limit:.4g}: only an input-side prefix of blocks can be bypassed"
+        )
     stages: list[tuple[int, ...]] = []
     current: list[int] = []
     cost = stem_cost
@@ -110,11 +121,23 @@ class DepthCosts:
     ends: tuple[float, ...]
     shared: tuple[float, ...] = ()
 
-    def plan(self, budget: float, tolerance: float = DEFAULT_TOLERANCE, models: int = 1,
-             stem_every_stage: bool = False) -> StagePlan:
+    def plan(
+        self,
+        budget: float,
+        tolerance: float = DEFAULT_TOLERANCE,
+        models: int = 1,
+        stem_every_stage: bool = False,
+    ) -> StagePlan:
         """Stages for `models` models trained side by side (m-FeDepth): each gets budget / models."""
-        return greedy_stages(self.blocks, budget / models, tolerance, stem_cost=self.stem, end_costs=self.ends,
-                             shared=self.shared or None, stem_every_stage=stem_every_stage)
+        return greedy_stages(
+            self.blocks,
+            budget / models,
+            tolerance,
+            stem_cost=self.stem,
+            end_costs=self.ends,
+            shared=self.shared or None,
+            stem_every_stage=stem_every_stage,
+        )
 
     def stage_bytes(self, plan: StagePlan, stem_every_stage: bool = False) -> list[float]:
         """What each stage of `plan` costs by this table (the measured stage peak, up to allocator details)."""
@@ -128,8 +151,12 @@ class DepthCosts:
         return out
 
 
-def _table(stem: float, blocks: list[tuple[float, float]], head: tuple[float, float],
-           exits: dict[int, tuple[float, float]]) -> DepthCosts:
+def _table(
+    stem: float,
+    blocks: list[tuple[float, float]],
+    head: tuple[float, float],
+    exits: dict[int, tuple[float, float]],
+) -> DepthCosts:
     """(training bytes, bytes shared with the producer) per part → cost table; linked heads share nothing."""
     ends = [head[0]] * len(blocks) + [head[0] - head[1]]
     for index, (cost, shared) in exits.items():
@@ -141,16 +168,26 @@ def depth_costs(cost: ModelCost, *, aux_heads: bool = False) -> DepthCosts:
     """Cost table from an estimate of the full model (with every exit when stages end at their own heads)."""
     pairs = {p.name: (float(p.training_bytes), float(p.input_shared_bytes)) for p in cost.parts}
     blocks = [pairs[p.name] for p in cost.parts if p.kind == "block"]
-    exits = {p.index: pairs[p.name] for p in cost.parts if p.kind == "exit" and p.index is not None} if aux_heads else {}
+    exits = (
+        {p.index: pairs[p.name] for p in cost.parts if p.kind == "exit" and p.index is not None}
+        if aux_heads
+        else {}
+    )
     return _table(pairs["stem"][0], blocks, pairs["head"], exits)
 
 
 def depth_costs_from_profile(profile: dict[str, Any], *, aux_heads: bool = False) -> DepthCosts:
     """Cost table from a measured profile (profiler/measure.py) of the full model."""
-    pairs = {p["name"]: (float(p["memory"]["training_bytes"]), float(p["memory"].get("input_shared_bytes", 0)))
-             for p in profile["parts"]}
+    pairs = {
+        p["name"]: (float(p["memory"]["training_bytes"]), float(p["memory"].get("input_shared_bytes", 0)))
+        for p in profile["parts"]
+    }
     blocks = [pairs[p["name"]] for p in profile["parts"] if p["kind"] == "block"]
-    exits = {int(p["index"]): pairs[p["name"]] for p in profile["parts"] if p["kind"] == "exit"} if aux_heads else {}
+    exits = (
+        {int(p["index"]): pairs[p["name"]] for p in profile["parts"] if p["kind"] == "exit"}
+        if aux_heads
+        else {}
+    )
     return _table(pairs["stem"][0], blocks, pairs["head"], exits)
 
 
@@ -163,5 +200,7 @@ def width_budget(spec: SubmodelSpec, ratio: float, batch: int, *, momentum: bool
     return round(base * ratio) if ratio > 1.0 else base
 
 
-def full_model_costs(spec: SubmodelSpec, batch: int, *, momentum: bool = True, aux_heads: bool = False) -> DepthCosts:
+def full_model_costs(
+    spec: SubmodelSpec, batch: int, *, momentum: bool = True, aux_heads: bool = False
+) -> DepthCosts:
     return depth_costs(estimate(spec, batch, momentum=momentum), aux_heads=aux_heads)

@@ -44,8 +44,13 @@ def gpu_info() -> dict[str, Any] | None:
         return None
     props = torch.cuda.get_device_properties(0)
     free, total = torch.cuda.mem_get_info(0)
-    return {"name": props.name, "total_bytes": int(total), "free_bytes": int(free),
-            "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count}
+    return {
+        "name": props.name,
+        "total_bytes": int(total),
+        "free_bytes": int(free),
+        "capability": f"{props.major}.{props.minor}",
+        "multiprocessors": props.multi_processor_count,
+    }
 
 
 def measure_gflops(device: str = "cpu", seconds: float = 1.0, size: int | None = None) -> dict[str, Any]:
@@ -66,8 +71,14 @@ def measure_gflops(device: str = "cpu", seconds: float = 1.0, size: int | None =
         elapsed = time.perf_counter() - started
         if elapsed >= seconds and iterations >= 3:
             break
-    return {"device": str(dev), "size": n, "iterations": iterations, "seconds": elapsed,
-            "threads": torch.get_num_threads(), "gflops": 2.0 * n ** 3 * iterations / elapsed / 1e9}
+    return {
+        "device": str(dev),
+        "size": n,
+        "iterations": iterations,
+        "seconds": elapsed,
+        "threads": torch.get_num_threads(),
+        "gflops": 2.0 * n**3 * iterations / elapsed / 1e9,
+    }
 
 
 def thermal_zones() -> dict[str, float]:
@@ -113,10 +124,18 @@ def _from_jtop() -> dict[str, Any] | None:
             mode = str(getattr(jetson, "nvpmodel", "")) or None
     except Exception:
         return None
-    return {"source": "jetson-stats", "nvpmodel": mode,
-            "temperatures_c": {k[5:]: v for k, v in stats.items() if k.startswith("Temp ") and isinstance(v, (int, float))},
-            "power_mw": {k[6:]: {"current": v} for k, v in stats.items()
-                         if k.startswith("Power ") and isinstance(v, (int, float))}}
+    return {
+        "source": "jetson-stats",
+        "nvpmodel": mode,
+        "temperatures_c": {
+            k[5:]: v for k, v in stats.items() if k.startswith("Temp ") and isinstance(v, (int, float))
+        },
+        "power_mw": {
+            k[6:]: {"current": v}
+            for k, v in stats.items()
+            if k.startswith("Power ") and isinstance(v, (int, float))
+        },
+    }
 
 
 def _from_tegrastats(timeout: float = 3.0) -> dict[str, Any] | None:
@@ -142,7 +161,11 @@ def jetson_state() -> dict[str, Any] | None:
     """Board power and thermal state on a Jetson (jetson-stats, else tegrastats); None elsewhere."""
     if not is_jetson():
         return None
-    return _from_jtop() or _from_tegrastats() or {"source": None, "temperatures_c": thermal_zones(), "power_mw": {}}
+    return (
+        _from_jtop()
+        or _from_tegrastats()
+        or {"source": None, "temperatures_c": thermal_zones(), "power_mw": {}}
+    )
 
 
 def device_info(device: str = "cpu", gflops_seconds: float = 1.0) -> dict[str, Any]:
@@ -154,8 +177,12 @@ def device_info(device: str = "cpu", gflops_seconds: float = 1.0) -> dict[str, A
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "cpu": {"model": cpu_model(), "physical_cores": psutil.cpu_count(logical=False),
-                "logical_cores": psutil.cpu_count(logical=True), "torch_threads": torch.get_num_threads()},
+        "cpu": {
+            "model": cpu_model(),
+            "physical_cores": psutil.cpu_count(logical=False),
+            "logical_cores": psutil.cpu_count(logical=True),
+            "torch_threads": torch.get_num_threads(),
+        },
         "memory": {"total_bytes": int(memory.total), "available_bytes": int(memory.available)},
         "gpu": gpu_info(),
         "compute": measure_gflops(device, gflops_seconds),

@@ -33,7 +33,9 @@ class PartCost:
     forward_macs: int  # per sample
     activation_bytes: int  # what autograd keeps for backward during this part (its saved input included)
     momentum: bool
-    input_shared_bytes: int = 0  # of those, kept by the part that produced the input too (counted there as well)
+    input_shared_bytes: int = (
+        0  # of those, kept by the part that produced the input too (counted there as well)
+    )
 
     @property
     def training_macs(self) -> int:
@@ -98,12 +100,25 @@ class ModelCost:
         raise KeyError(f"no part '{name}' in {[p.name for p in self.parts]}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"spec_id": self.spec.id, "batch": self.batch, "params": self.params,
-                "forward_macs": self.forward_macs, "training_macs": self.training_macs,
-                "activation_bytes": self.activation_bytes, "training_bytes": self.training_bytes,
-                "parts": [{"name": p.name, "params": p.params, "forward_macs": p.forward_macs,
-                           "activation_bytes": p.activation_bytes, "training_bytes": p.training_bytes}
-                          for p in self.parts]}
+        return {
+            "spec_id": self.spec.id,
+            "batch": self.batch,
+            "params": self.params,
+            "forward_macs": self.forward_macs,
+            "training_macs": self.training_macs,
+            "activation_bytes": self.activation_bytes,
+            "training_bytes": self.training_bytes,
+            "parts": [
+                {
+                    "name": p.name,
+                    "params": p.params,
+                    "forward_macs": p.forward_macs,
+                    "activation_bytes": p.activation_bytes,
+                    "training_bytes": p.training_bytes,
+                }
+                for p in self.parts
+            ],
+        }
 
 
 @lru_cache(maxsize=8192)
@@ -117,8 +132,20 @@ def estimate(spec: SubmodelSpec, batch: int = 32, *, momentum: bool = True) -> M
     source: str | None = None
     for r in walk.records:
         shared = walk.shared_bytes(source, r.name) if source else 0
-        parts.append(PartCost(r.name, r.kind, r.index, r.params, r.trainable, r.param_bytes, r.macs,
-                              walk.part_bytes(r.name), momentum, shared))
+        parts.append(
+            PartCost(
+                r.name,
+                r.kind,
+                r.index,
+                r.params,
+                r.trainable,
+                r.param_bytes,
+                r.macs,
+                walk.part_bytes(r.name),
+                momentum,
+                shared,
+            )
+        )
         if r.kind in ("stem", "block"):
             source = r.name  # exits and the head do not feed later parts
     return ModelCost(spec, batch, tuple(parts), walk.total_bytes())

@@ -78,8 +78,9 @@ def output_labels(net: ScalableNet) -> list[str]:
     return [f"exit{k}" for k in net.exits] + (["head"] if net.head is not None else [])
 
 
-def _training_loss(net: ScalableNet, x: torch.Tensor, y: torch.Tensor,
-                   meter: SavedTensorMeter | None = None) -> torch.Tensor:
+def _training_loss(
+    net: ScalableNet, x: torch.Tensor, y: torch.Tensor, meter: SavedTensorMeter | None = None
+) -> torch.Tensor:
     """Sum of every output's cross-entropy; the meter charges each loss to the part that produced its logits."""
     total = x.new_zeros(())
     for label, out in zip(output_labels(net), net.forward_all(x)):
@@ -94,8 +95,12 @@ def _training_loss(net: ScalableNet, x: torch.Tensor, y: torch.Tensor,
 def _part_inputs(net: ScalableNet, parts: list[Part], x: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tensor each part receives in a forward pass, detached."""
     captured: dict[str, torch.Tensor] = {}
-    handles = [p.module.register_forward_pre_hook(
-        lambda _m, inputs, name=p.name: captured.__setitem__(name, inputs[0].detach().clone())) for p in parts]
+    handles = [
+        p.module.register_forward_pre_hook(
+            lambda _m, inputs, name=p.name: captured.__setitem__(name, inputs[0].detach().clone())
+        )
+        for p in parts
+    ]
     try:
         with torch.no_grad():
             net.forward_all(x)
@@ -105,8 +110,9 @@ def _part_inputs(net: ScalableNet, parts: list[Part], x: torch.Tensor) -> dict[s
     return captured
 
 
-def _time_part(part: Part, inp: torch.Tensor, repeats: int, warmup: int,
-               device: torch.device) -> tuple[list[float], list[float], int | None]:
+def _time_part(
+    part: Part, inp: torch.Tensor, repeats: int, warmup: int, device: torch.device
+) -> tuple[list[float], list[float], int | None]:
     """Forward and backward seconds of one part alone; its input needs a gradient unless it is the image."""
     inp = inp.clone().requires_grad_(part.kind != "stem")
     forward, backward = [], []
@@ -137,12 +143,16 @@ def _time_part(part: Part, inp: torch.Tensor, repeats: int, warmup: int,
 class _Step:
     """One SGD-with-momentum training step of the whole submodel (the optimizer state a board keeps)."""
 
-    def __init__(self, net: ScalableNet, x: torch.Tensor, y: torch.Tensor, lr: float, momentum: float) -> None:
+    def __init__(
+        self, net: ScalableNet, x: torch.Tensor, y: torch.Tensor, lr: float, momentum: float
+    ) -> None:
         self.net, self.x, self.y = net, x, y
         self.params = [p for p in net.parameters() if p.requires_grad]
         self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum)
 
-    def __call__(self, meter: SavedTensorMeter | None = None, after_forward: Callable[[], None] | None = None) -> None:
+    def __call__(
+        self, meter: SavedTensorMeter | None = None, after_forward: Callable[[], None] | None = None
+    ) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if meter is not None:
             with meter:
@@ -164,16 +174,31 @@ def _rss_check(step: _Step, activations: int) -> dict[str, Any]:
     seen: list[int] = []
     step(after_forward=lambda: seen.append(rss_bytes()))
     delta = seen[0] - before
-    return {"forward_delta_bytes": int(delta), "ratio_to_activations": delta / activations if activations else None,
-            "malloc_returns_memory": exact, "process_bytes": rss_bytes()}
+    return {
+        "forward_delta_bytes": int(delta),
+        "ratio_to_activations": delta / activations if activations else None,
+        "malloc_returns_memory": exact,
+        "process_bytes": rss_bytes(),
+    }
 
 
-def profile_model(spec: SubmodelSpec, batch: int = 32, device: str | torch.device = "cpu", repeats: int = 10,
-                  warmup: int = 3, *, lr: float = 0.01, momentum: float = 0.9, seed: int = 0,
-                  rss_check: bool = True) -> dict[str, Any]:
+def profile_model(
+    spec: SubmodelSpec,
+    batch: int = 32,
+    device: str | torch.device = "cpu",
+    repeats: int = 10,
+    warmup: int = 3,
+    *,
+    lr: float = 0.01,
+    momentum: float = 0.9,
+    seed: int = 0,
+    rss_check: bool = True,
+) -> dict[str, Any]:
     """Profile of training `spec` at `batch` on `device`: per part latency and memory, whole-step totals."""
     if batch < 2 or repeats < 1 or warmup < 0:
-        raise ConfigError(f"profile needs batch >= 2, repeats >= 1, warmup >= 0 (got {batch}, {repeats}, {warmup})")
+        raise ConfigError(
+            f"profile needs batch >= 2, repeats >= 1, warmup >= 0 (got {batch}, {repeats}, {warmup})"
+        )
     dev = torch.device(device)
     torch.manual_seed(seed)
     net = build(spec, device=dev)
@@ -205,16 +230,23 @@ def profile_model(spec: SubmodelSpec, batch: int = 32, device: str | torch.devic
     finally:
         for h in handles:
             h.remove()
-    total: dict[str, Any] = {"params_bytes": parameter_bytes(net), "grads_bytes": gradient_bytes(step.params),
-             "optimizer_bytes": optimizer_bytes(step.optimizer), "activations_bytes": meter.total_bytes}
+    total: dict[str, Any] = {
+        "params_bytes": parameter_bytes(net),
+        "grads_bytes": gradient_bytes(step.params),
+        "optimizer_bytes": optimizer_bytes(step.optimizer),
+        "activations_bytes": meter.total_bytes,
+    }
     total["peak_training_bytes"] = sum(total.values())
     memories = []
     feeds = producers(parts)
     for part in parts:
         params = [p for p in part.module.parameters() if p.requires_grad]
         memory: dict[str, Any] = {
-            "params_bytes": parameter_bytes(part.module), "grads_bytes": gradient_bytes(params),
-            "optimizer_bytes": optimizer_bytes(step.optimizer, params), "activations_bytes": meter.bytes_of(part.name)}
+            "params_bytes": parameter_bytes(part.module),
+            "grads_bytes": gradient_bytes(params),
+            "optimizer_bytes": optimizer_bytes(step.optimizer, params),
+            "activations_bytes": meter.bytes_of(part.name),
+        }
         memory["training_bytes"] = sum(memory.values())
         source = feeds[part.name]
         memory["input_shared_bytes"] = meter.shared_bytes(source, part.name) if source else 0
@@ -224,19 +256,34 @@ def profile_model(spec: SubmodelSpec, batch: int = 32, device: str | torch.devic
     for part, memory in zip(parts, memories):
         forward, backward, cuda_peak = _time_part(part, inputs[part.name], repeats, warmup, dev)
         memory["cuda_peak_bytes"] = cuda_peak
-        records.append({"name": part.name, "kind": part.kind, "index": part.index,
-                        "params": sum(p.numel() for p in part.module.parameters()),
-                        "forward_ms": latency_summary(forward), "backward_ms": latency_summary(backward),
-                        "memory": memory})
+        records.append(
+            {
+                "name": part.name,
+                "kind": part.kind,
+                "index": part.index,
+                "params": sum(p.numel() for p in part.module.parameters()),
+                "forward_ms": latency_summary(forward),
+                "backward_ms": latency_summary(backward),
+                "memory": memory,
+            }
+        )
     total["step_ms"] = latency_summary(step_seconds)
     total["cuda_peak_bytes"] = cuda_step_peak
     total["rss"] = _rss_check(step, meter.total_bytes) if rss_check and dev.type == "cpu" else None
     return {
         "schema": SCHEMA,
-        "model": {"arch": model.arch, "spec": spec.to_dict(), "spec_id": spec.id, "batch": batch,
-                  "input_shape": [model.in_channels, model.image_size, model.image_size], "device": str(dev),
-                  "dtype": "float32", "optimizer": {"name": "sgd", "lr": lr, "momentum": momentum},
-                  "repeats": repeats, "warmup": warmup},
+        "model": {
+            "arch": model.arch,
+            "spec": spec.to_dict(),
+            "spec_id": spec.id,
+            "batch": batch,
+            "input_shape": [model.in_channels, model.image_size, model.image_size],
+            "device": str(dev),
+            "dtype": "float32",
+            "optimizer": {"name": "sgd", "lr": lr, "momentum": momentum},
+            "repeats": repeats,
+            "warmup": warmup,
+        },
         "parts": records,
         "total": total,
     }

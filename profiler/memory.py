@@ -51,8 +51,9 @@ class SavedTensorMeter:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         assert self._hooks is not None
         self._hooks.__exit__(kind, error, trace)
 
@@ -68,6 +69,7 @@ class SavedTensorMeter:
         """Label by module: each module's forward pre-hook switches the label to its name."""
         handles = []
         for name, module in parts:
+
             def enter(_module: nn.Module, _inputs: tuple[object, ...], name: str = name) -> None:
                 self.label = name
 

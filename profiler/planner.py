@@ -42,8 +42,14 @@ class DeviceBudget:
         return self.step_ms_budget is None or step_ms is None or step_ms <= self.step_ms_budget
 
     @classmethod
-    def from_profile(cls, profile: dict[str, Any], *, memory_bytes: int | None = None,
-                     memory_fraction: float = 0.5, step_ms_budget: float | None = None) -> DeviceBudget:
+    def from_profile(
+        cls,
+        profile: dict[str, Any],
+        *,
+        memory_bytes: int | None = None,
+        memory_fraction: float = 0.5,
+        step_ms_budget: float | None = None,
+    ) -> DeviceBudget:
         """Budget of a profiled device: given bytes, the profile's own budget, or a share of available RAM."""
         device = profile.get("device", {})
         name = str(profile.get("name") or device.get("hostname") or "device")
@@ -59,7 +65,10 @@ class DeviceBudget:
         if "model" in profile and "total" in profile:
             spec = SubmodelSpec.from_dict(profile["model"]["spec"])
             batch = int(profile["model"]["batch"])
-            reference = (float(profile["total"]["step_ms"]["median"]), float(estimate(spec, batch).training_macs * batch))
+            reference = (
+                float(profile["total"]["step_ms"]["median"]),
+                float(estimate(spec, batch).training_macs * batch),
+            )
         gflops = (device.get("compute") or {}).get("gflops")
         return cls(name, int(memory_bytes), gflops, step_ms_budget, reference)
 
@@ -83,14 +92,37 @@ class PlanRow:
         return asdict(self)
 
 
-def _row(device: DeviceBudget, label: str, cost: ModelCost, memory: float, step_ms: float | None,
-         fits: bool, **detail: Any) -> PlanRow:
-    return PlanRow(device.name, device.memory_bytes, label, cost.spec.to_dict(), cost.params,
-                   cost.training_macs * cost.batch, int(memory), step_ms, fits, detail)
+def _row(
+    device: DeviceBudget,
+    label: str,
+    cost: ModelCost,
+    memory: float,
+    step_ms: float | None,
+    fits: bool,
+    **detail: Any,
+) -> PlanRow:
+    return PlanRow(
+        device.name,
+        device.memory_bytes,
+        label,
+        cost.spec.to_dict(),
+        cost.params,
+        cost.training_macs * cost.batch,
+        int(memory),
+        step_ms,
+        fits,
+        detail,
+    )
 
 
-def largest_fitting(specs: Sequence[SubmodelSpec], memory_bytes: int, batch: int, *, momentum: bool = True,
-                    device: DeviceBudget | None = None) -> int | None:
+def largest_fitting(
+    specs: Sequence[SubmodelSpec],
+    memory_bytes: int,
+    batch: int,
+    *,
+    momentum: bool = True,
+    device: DeviceBudget | None = None,
+) -> int | None:
     """Index in `specs` of the costliest member whose estimated training memory (and step time) fits."""
     best: tuple[int, int] | None = None
     for k, spec in enumerate(specs):
@@ -104,7 +136,9 @@ def largest_fitting(specs: Sequence[SubmodelSpec], memory_bytes: int, batch: int
     return None if best is None else best[0]
 
 
-def member_for_budget(specs: Sequence[SubmodelSpec], memory_bytes: int, batch: int, *, momentum: bool = True) -> int:
+def member_for_budget(
+    specs: Sequence[SubmodelSpec], memory_bytes: int, batch: int, *, momentum: bool = True
+) -> int:
     """What strategies call at assignment: the largest member that fits, else the cheapest one."""
     k = largest_fitting(specs, memory_bytes, batch, momentum=momentum)
     if k is not None:
@@ -120,17 +154,34 @@ def device_memory_budget(memory_budget_bytes: int | None, profile: dict[str, Any
     return None if budget is None else int(budget)
 
 
-def plan_family(labels: Sequence[str], specs: Sequence[SubmodelSpec], devices: Sequence[DeviceBudget], batch: int,
-                *, momentum: bool = True) -> list[PlanRow]:
+def plan_family(
+    labels: Sequence[str],
+    specs: Sequence[SubmodelSpec],
+    devices: Sequence[DeviceBudget],
+    batch: int,
+    *,
+    momentum: bool = True,
+) -> list[PlanRow]:
     """NeFL / HeteroFL / FjORD: each device gets the largest member that fits (the smallest, flagged, if none)."""
     rows = []
-    smallest = min(range(len(specs)), key=lambda k: estimate(specs[k], batch, momentum=momentum).training_bytes)
+    smallest = min(
+        range(len(specs)), key=lambda k: estimate(specs[k], batch, momentum=momentum).training_bytes
+    )
     for device in devices:
         k = largest_fitting(specs, device.memory_bytes, batch, momentum=momentum, device=device)
         chosen = smallest if k is None else k
         cost = estimate(specs[chosen], batch, momentum=momentum)
-        rows.append(_row(device, labels[chosen], cost, cost.training_bytes, device.step_ms(cost.training_macs * batch),
-                         k is not None, member=chosen))
+        rows.append(
+            _row(
+                device,
+                labels[chosen],
+                cost,
+                cost.training_bytes,
+                device.step_ms(cost.training_macs * batch),
+                k is not None,
+                member=chosen,
+            )
+        )
     return rows
 
 
@@ -142,7 +193,9 @@ def kmeans_1d(values: Sequence[float], k: int, iterations: int = 100) -> tuple[l
     labels = np.zeros(len(data), dtype=int)
     for _ in range(iterations):
         labels = np.argmin(np.abs(data[:, None] - centres[None, :]), axis=1)
-        updated = np.array([data[labels == j].mean() if np.any(labels == j) else centres[j] for j in range(k)])
+        updated = np.array(
+            [data[labels == j].mean() if np.any(labels == j) else centres[j] for j in range(k)]
+        )
         if np.allclose(updated, centres):
             break
         centres = updated
@@ -165,8 +218,9 @@ def cluster_budget_fractions(budgets: Sequence[int], levels: int, full_bytes: in
     return [*sorted(fractions), 1.0]
 
 
-def assign_levels(level_specs: Sequence[SubmodelSpec], devices: Sequence[DeviceBudget], batch: int, *,
-                  momentum: bool = True) -> list[PlanRow]:
+def assign_levels(
+    level_specs: Sequence[SubmodelSpec], devices: Sequence[DeviceBudget], batch: int, *, momentum: bool = True
+) -> list[PlanRow]:
     """Each device takes the largest level whose estimated training memory fits (§6.b invariant 7)."""
     labels = [f"L{level + 1}" for level in range(len(level_specs))]
     return plan_family(labels, level_specs, devices, batch, momentum=momentum)
@@ -182,8 +236,15 @@ class MemoryLevel:
     target_bytes: int
 
 
-def scalefl_memory_levels(model: ModelConfig, targets: Sequence[int], batch: int, *, tolerance: float = 0.05,
-                          step: float = 0.02, momentum: bool = True) -> list[MemoryLevel]:
+def scalefl_memory_levels(
+    model: ModelConfig,
+    targets: Sequence[int],
+    batch: int,
+    *,
+    tolerance: float = 0.05,
+    step: float = 0.02,
+    momentum: bool = True,
+) -> list[MemoryLevel]:
     """ScaleFL's split rule (§6.a.2) with cost = estimated training memory: per target, ascending, the most
     balanced (s_w, s_d) among the splits under the target that come within ε of the best one reachable
     (channel counts are coarse, so the window is relative to what fits, not to the target); each level
@@ -214,15 +275,24 @@ def scalefl_memory_levels(model: ModelConfig, targets: Sequence[int], batch: int
 def scalefl_level_specs(model: ModelConfig, levels: Sequence[MemoryLevel]) -> list[SubmodelSpec]:
     """Submodel of each level (exits of all lower levels kept) plus the full model on top (level L)."""
     config = model.with_(exit_points=tuple(level.depth - 1 for level in levels))
-    specs = [SubmodelSpec(config, width=level.width, depth=level.depth, exits=config.exit_points[: i + 1], head=False)
-             for i, level in enumerate(levels)]
+    specs = [
+        SubmodelSpec(
+            config, width=level.width, depth=level.depth, exits=config.exit_points[: i + 1], head=False
+        )
+        for i, level in enumerate(levels)
+    ]
     return [*specs, SubmodelSpec(config, exits=config.exit_points)]
 
 
-def plan_depthwise(costs: DepthCosts, full_cost: ModelCost, devices: Sequence[DeviceBudget], *,
-                   tolerance: float = DEFAULT_TOLERANCE,
-                   plan_of: Callable[[int], tuple[StagePlan, int]] | None = None,
-                   stem_every_stage: bool = False) -> list[PlanRow]:
+def plan_depthwise(
+    costs: DepthCosts,
+    full_cost: ModelCost,
+    devices: Sequence[DeviceBudget],
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    plan_of: Callable[[int], tuple[StagePlan, int]] | None = None,
+    stem_every_stage: bool = False,
+) -> list[PlanRow]:
     """FeDepth: each device's greedy stages (§3.a.2) — or `plan_of(budget)` → (plan, models) from the
     strategy; memory = its costliest stage, time = its slowest stage step."""
     plan_of = plan_of or (lambda budget: (costs.plan(budget, tolerance), 1))
@@ -233,8 +303,20 @@ def plan_depthwise(costs: DepthCosts, full_cost: ModelCost, devices: Sequence[De
         try:
             plan, m = plan_of(device.memory_bytes)
         except ConfigError as exc:
-            rows.append(PlanRow(device.name, device.memory_bytes, "does not fit", None, full_cost.params, 0, 0, None,
-                                False, {"reason": str(exc)}))
+            rows.append(
+                PlanRow(
+                    device.name,
+                    device.memory_bytes,
+                    "does not fit",
+                    None,
+                    full_cost.params,
+                    0,
+                    0,
+                    None,
+                    False,
+                    {"reason": str(exc)},
+                )
+            )
             continue
         stage_bytes = [m * b for b in costs.stage_bytes(plan, stem_every_stage)]
         stage_macs = []
@@ -246,17 +328,45 @@ def plan_depthwise(costs: DepthCosts, full_cost: ModelCost, devices: Sequence[De
             stage_macs.append(m * (trained + frozen + stem_macs))
         slowest = max(stage_macs) * full_cost.batch
         step = device.step_ms(slowest)
-        rows.append(_row(device, plan.describe() + (f" ×{m} models" if m > 1 else ""), full_cost, max(stage_bytes),
-                         step, device.allows(max(stage_bytes), step, tolerance), plan=plan.to_dict(), models=m,
-                         stage_bytes=[int(b) for b in stage_bytes]))
+        rows.append(
+            _row(
+                device,
+                plan.describe() + (f" ×{m} models" if m > 1 else ""),
+                full_cost,
+                max(stage_bytes),
+                step,
+                device.allows(max(stage_bytes), step, tolerance),
+                plan=plan.to_dict(),
+                models=m,
+                stage_bytes=[int(b) for b in stage_bytes],
+            )
+        )
     return rows
 
 
 def plan_to_json(method: str, rows: Sequence[PlanRow], batch: int, **extra: Any) -> dict[str, Any]:
-    return {"schema": "nestling.plan/1", "method": method, "batch": batch, **extra,
-            "devices": [r.to_dict() for r in rows]}
+    return {
+        "schema": "nestling.plan/1",
+        "method": method,
+        "batch": batch,
+        **extra,
+        "devices": [r.to_dict() for r in rows],
+    }
 
 
-__all__ = ["DeviceBudget", "PlanRow", "StagePlan", "assign_levels", "cluster_budget_fractions", "device_memory_budget",
-           "kmeans_1d", "largest_fitting", "member_for_budget", "plan_depthwise", "plan_family",
-           "plan_to_json", "scalefl_level_specs", "scalefl_memory_levels"]
+__all__ = [
+    "DeviceBudget",
+    "PlanRow",
+    "StagePlan",
+    "assign_levels",
+    "cluster_budget_fractions",
+    "device_memory_budget",
+    "kmeans_1d",
+    "largest_fitting",
+    "member_for_budget",
+    "plan_depthwise",
+    "plan_family",
+    "plan_to_json",
+    "scalefl_level_specs",
+    "scalefl_memory_levels",
+]

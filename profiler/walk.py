@@ -95,8 +95,17 @@ class Walk:
         return kept_channels(global_channels, r, self.model.rounding)
 
     # -- ops (each applies what autograd saves for it) ----------------------------------------------
-    def conv(self, x: Sym, cout: int, k: int, stride: int = 1, *, groups: int = 1, bias: bool = False,
-             padding: int | None = None) -> Sym:
+    def conv(
+        self,
+        x: Sym,
+        cout: int,
+        k: int,
+        stride: int = 1,
+        *,
+        groups: int = 1,
+        bias: bool = False,
+        padding: int | None = None,
+    ) -> Sym:
         cin, h, w = x.shape
         pad = k // 2 if padding is None else padding
         oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
@@ -115,7 +124,9 @@ class Walk:
             top = self.spec.width if ratio is None else ratio
             for level in self.model.width_levels:
                 if level <= top + 1e-9:
-                    self.cur.param_bytes += 2 * FLOAT * kept_channels(global_channels, level, self.model.rounding)
+                    self.cur.param_bytes += (
+                        2 * FLOAT * kept_channels(global_channels, level, self.model.rounding)
+                    )
         self.save(x, self.new((c,), fixed=True), self.new((c,), fixed=True))  # input, mean, inverse std
         return self.new(x.shape)
 

@@ -245,7 +245,9 @@ def _grant_broker_access(files: BrokerConfigFiles, broker_user: str) -> None:
     account = _broker_account(broker_user)
     data_dir = files.out_dir / "data"
     if account is None:
-        files.notes.append(f"no '{broker_user}' account here: run mosquitto as the user that owns {files.out_dir}")
+        files.notes.append(
+            f"no '{broker_user}' account here: run mosquitto as the user that owns {files.out_dir}"
+        )
         return
     uid, gid = account
     group = grp.getgrgid(gid).gr_name
@@ -269,14 +271,16 @@ def _grant_broker_access(files: BrokerConfigFiles, broker_user: str) -> None:
 
 def _service_dropin(config: Path) -> str:
     """A drop-in for Debian's mosquitto.service that starts the broker on this fleet's config."""
-    return "\n".join([
-        "# Copy to /etc/systemd/system/mosquitto.service.d/nestling.conf, then:",
-        "#   systemctl daemon-reload && systemctl restart mosquitto",
-        "[Service]",
-        "ExecStart=",
-        f"ExecStart=/usr/sbin/mosquitto -c {config}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# Copy to /etc/systemd/system/mosquitto.service.d/nestling.conf, then:",
+            "#   systemctl daemon-reload && systemctl restart mosquitto",
+            "[Service]",
+            "ExecStart=",
+            f"ExecStart=/usr/sbin/mosquitto -c {config}",
+            "",
+        ]
+    )
 
 
 def _credentials(
@@ -369,8 +373,9 @@ def write_broker_config(
     _write(files.acl_file, _acl(topics, server_user, device_ids))
     (out_dir / "data").mkdir(exist_ok=True)
     _write(files.config, _mosquitto_conf(files, fleet, port, bind_address, max_message_bytes))
-    files.service_dropin = _write(out_dir / "systemd" / "mosquitto.service.d" / "nestling.conf",
-                                  _service_dropin(files.config))
+    files.service_dropin = _write(
+        out_dir / "systemd" / "mosquitto.service.d" / "nestling.conf", _service_dropin(files.config)
+    )
     _grant_broker_access(files, broker_user)
     return files
 
@@ -404,8 +409,11 @@ def broker_config_main(argv: list[str]) -> int:
     parser.add_argument("--bind", default=None, help="address the listener binds to (default: all)")
     parser.add_argument("--server-user", default="nestling-server", help="username of the coordinator")
     parser.add_argument("--force", action="store_true", help="replace an existing config in --out")
-    parser.add_argument("--broker-user", default="mosquitto",
-                        help="account mosquitto drops to when started as root (default: mosquitto)")
+    parser.add_argument(
+        "--broker-user",
+        default="mosquitto",
+        help="account mosquitto drops to when started as root (default: mosquitto)",
+    )
     args = parser.parse_args(argv)
     files = write_broker_config(
         args.fleet,

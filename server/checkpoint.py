@@ -17,10 +17,14 @@ from nestling.hashing import sha256_file
 CHECKPOINT_FORMAT = 1
 
 
-
-
-def save_checkpoint(root: Path, round_index: int, tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
-                    keep: int = 3, sides: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+def save_checkpoint(
+    root: Path,
+    round_index: int,
+    tensors: dict[str, torch.Tensor],
+    manifest: dict[str, Any],
+    keep: int = 3,
+    sides: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Path:
     """Write round `round_index` so that a crash at any instant leaves either the old or the new checkpoint.
 
     `sides`: further tensor sets (e.g. the simulator's per-device stores) written as `NAME.safetensors`
@@ -39,8 +43,13 @@ def save_checkpoint(root: Path, round_index: int, tensors: dict[str, torch.Tenso
             raise ConfigError(f"checkpoint side name {name!r} must be an identifier")
         save_file({k: v.contiguous() for k, v in side.items()}, str(tmp / f"{name}.safetensors"))
         side_sums[name] = sha256_file(tmp / f"{name}.safetensors")
-    body = {**manifest, "format": CHECKPOINT_FORMAT, "round": round_index, "weights_sha256": sha256_file(weights),
-            "sides": side_sums}
+    body = {
+        **manifest,
+        "format": CHECKPOINT_FORMAT,
+        "round": round_index,
+        "weights_sha256": sha256_file(weights),
+        "sides": side_sums,
+    }
     with (tmp / "manifest.json").open("w") as fh:
         json.dump(body, fh, indent=1, sort_keys=True)
         fh.flush()
@@ -78,7 +87,8 @@ def latest_checkpoint(root: Path) -> Path | None:
             continue
         sides = body.get("sides", {}) if isinstance(body.get("sides", {}), dict) else {}
         if body.get("weights_sha256") == sha256_file(weights) and all(
-            (candidate / f"{name}.safetensors").is_file() and sha256_file(candidate / f"{name}.safetensors") == digest
+            (candidate / f"{name}.safetensors").is_file()
+            and sha256_file(candidate / f"{name}.safetensors") == digest
             for name, digest in sides.items()
         ):
             return candidate
@@ -91,7 +101,9 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         raise ConfigError(f"checkpoint {path} has no manifest.json")
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(f"checkpoint {path} has format {manifest.get('format')}, expected {CHECKPOINT_FORMAT}")
+        raise ConfigError(
+            f"checkpoint {path} has format {manifest.get('format')}, expected {CHECKPOINT_FORMAT}"
+        )
     return load_file(str(path / "global.safetensors")), manifest
 
 

@@ -105,9 +105,17 @@ class SideState(Protocol):
 class Coordinator:
     """Drives a Strategy through rounds over any Transport, reading any Clock."""
 
-    def __init__(self, strategy: Strategy, transport: Transport, clock: Clock, evaluator: Evaluator | None,
-                 policy: RoundPolicy, out_dir: Path | None = None,
-                 on_round: Callable[[RoundRecord], None] | None = None, side: SideState | None = None) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        transport: Transport,
+        clock: Clock,
+        evaluator: Evaluator | None,
+        policy: RoundPolicy,
+        out_dir: Path | None = None,
+        on_round: Callable[[RoundRecord], None] | None = None,
+        side: SideState | None = None,
+    ) -> None:
         self.strategy = strategy
         self.transport = transport
         self.clock = clock
@@ -149,7 +157,9 @@ class Coordinator:
     def run_round(self, round_index: int) -> RoundRecord:
         started = time.perf_counter()
         counters: Counter[str] = Counter()
-        available = [d for d in self.transport.devices() if self.quarantine.get(d.device_id, -1) <= round_index]
+        available = [
+            d for d in self.transport.devices() if self.quarantine.get(d.device_id, -1) <= round_index
+        ]
         selected = self.select(round_index, available)
         self._registered = {d.device_id: d for d in selected}
         self._sizes, self._judged, self._non_finite = {}, set(), set()
@@ -177,17 +187,31 @@ class Coordinator:
                 rolled_back, quarantined = round_index, self._quarantine(round_index, accepted)
         else:
             counters["rounds_below_quorum"] += 1
-            log.warning("round %d: %d results < quorum %d; global model unchanged", round_index, len(accepted), quorum)
+            log.warning(
+                "round %d: %d results < quorum %d; global model unchanged", round_index, len(accepted), quorum
+            )
         record = RoundRecord(
-            round=round_index, wall_seconds=0.0, collect_seconds=collect_seconds, virtual_time=self.clock.now(),
-            selected=len(selected), accepted=len(accepted), aggregated=aggregated,
+            round=round_index,
+            wall_seconds=0.0,
+            collect_seconds=collect_seconds,
+            virtual_time=self.clock.now(),
+            selected=len(selected),
+            accepted=len(accepted),
+            aggregated=aggregated,
             bytes_down=sum(tensor_bytes(t.weights) for t in tasks.values()),
-            bytes_up=sum(tensor_bytes(r.weights) for _, r in accepted), counters=dict(counters),
+            bytes_up=sum(tensor_bytes(r.weights) for _, r in accepted),
+            counters=dict(counters),
             local_train_seconds=sum(float(r.metrics.get("train_seconds", 0.0)) for _, r in accepted),
             train_loss=_mean([r.metrics.get("loss_mean") for _, r in accepted]),
-            dispatched_at=dispatched_at, closed_at=closed_at, rolled_back=rolled_back, quarantined=quarantined)
+            dispatched_at=dispatched_at,
+            closed_at=closed_at,
+            rolled_back=rolled_back,
+            quarantined=quarantined,
+        )
         if self._is_eval_round(round_index):
-            self.last_eval = self.evaluator.evaluate_all(self.strategy.eval_targets()) if self.evaluator else []
+            self.last_eval = (
+                self.evaluator.evaluate_all(self.strategy.eval_targets()) if self.evaluator else []
+            )
             record.submodels = [asdict(e) for e in self.last_eval]
         record.wall_seconds = time.perf_counter() - started
         self.totals.update(counters)
@@ -196,10 +220,13 @@ class Coordinator:
             self.on_round(record)
         return record
 
-    def _collect(self, round_index: int, tasks: dict[str, Task],
-                 counters: Counter[str]) -> tuple[list[tuple[Task, Result]], float]:
+    def _collect(
+        self, round_index: int, tasks: dict[str, Task], counters: Counter[str]
+    ) -> tuple[list[tuple[Task, Result]], float]:
         want = min(self.needed(), len(tasks))
-        deadline = self.clock.now() + (self.policy.deadline_s if self.policy.deadline_s is not None else math.inf)
+        deadline = self.clock.now() + (
+            self.policy.deadline_s if self.policy.deadline_s is not None else math.inf
+        )
         by_task = {t.task_id: t for t in tasks.values()}
         accepted: list[tuple[Task, Result]] = []
         spent = 0.0
@@ -217,7 +244,9 @@ class Coordinator:
                 try:
                     verdict = self._admit(round_index, by_task, result)
                 except Exception as exc:  # one device's result must never stop the round
-                    self.refusals.refuse(round_index, str(result.device_id), "rejected_error", repr(exc)[:200])
+                    self.refusals.refuse(
+                        round_index, str(result.device_id), "rejected_error", repr(exc)[:200]
+                    )
                     verdict = "rejected_error"
                 if verdict:
                     counters[verdict] += 1
@@ -254,8 +283,12 @@ class Coordinator:
             return "rejected_invalid"
         registered = self._registered.get(result.device_id)
         if registered is not None and result.num_samples > registered.num_samples:
-            self.refusals.refuse(round_index, result.device_id, "rejected_num_samples",
-                                 f"claims {result.num_samples} samples, registered {registered.num_samples}")
+            self.refusals.refuse(
+                round_index,
+                result.device_id,
+                "rejected_num_samples",
+                f"claims {result.num_samples} samples, registered {registered.num_samples}",
+            )
             return "rejected_num_samples"
         if self.policy.robust.screen_updates:
             measured = time.perf_counter()
@@ -271,8 +304,9 @@ class Coordinator:
         self.seen_tasks.add(result.task_id)
         return None
 
-    def _screen_round(self, round_index: int, accepted: list[tuple[Task, Result]],
-                      counters: Counter[str]) -> list[tuple[Task, Result]]:
+    def _screen_round(
+        self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]
+    ) -> list[tuple[Task, Result]]:
         """Refuse updates far outside the round's distribution, then clip what remains if configured."""
         robust = self.policy.robust
         if robust.screen_updates and len(accepted) >= 2:
@@ -295,17 +329,22 @@ class Coordinator:
 
     # -- divergence guard ------------------------------------------------------------------------
     def _snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return ({k: v.clone() for k, v in self.strategy.state_tensors().items()},
-                json.loads(json.dumps(self.strategy.state_meta())))
+        return (
+            {k: v.clone() for k, v in self.strategy.state_tensors().items()},
+            json.loads(json.dumps(self.strategy.state_meta())),
+        )
 
-    def _aggregate_guarded(self, round_index: int, accepted: list[tuple[Task, Result]],
-                           counters: Counter[str]) -> bool:
+    def _aggregate_guarded(
+        self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]
+    ) -> bool:
         """Aggregate; undo it (False) when it failed or left the model non-finite or exploded."""
         robust = self.policy.robust
         before = self._snapshot() if robust.divergence_guard else None
         scale_before = 0.0
         if before is not None:
-            scale_before = self._scale if self._scale is not None else largest_magnitude(self.strategy.global_state)
+            scale_before = (
+                self._scale if self._scale is not None else largest_magnitude(self.strategy.global_state)
+            )
         try:
             with robust_rule(robust.aggregation, robust.trim_fraction):
                 self.strategy.aggregate(round_index, accepted)
@@ -320,8 +359,13 @@ class Coordinator:
             return True
         scale_after = largest_magnitude(self.strategy.global_state)
         if not math.isfinite(scale_after) or scale_after > robust.divergence_factor * max(scale_before, 1.0):
-            log.error("round %d: global model diverged (largest |w| %.3g -> %.3g); rolled back to the state "
-                      "before the round", round_index, scale_before, scale_after)
+            log.error(
+                "round %d: global model diverged (largest |w| %.3g -> %.3g); rolled back to the state "
+                "before the round",
+                round_index,
+                scale_before,
+                scale_after,
+            )
             counters["rolled_back"] += 1
             self.strategy.load_state(*before)
             self._scale = scale_before
@@ -332,20 +376,29 @@ class Coordinator:
 
     def _guard_previous_round(self, round_index: int, counters: Counter[str]) -> tuple[int | None, list[str]]:
         """Most of this round's results non-finite: the previous aggregation poisoned the model; undo it."""
-        if self._before_last is None or self._last_applied is None or self._last_applied[0] != round_index - 1:
+        if (
+            self._before_last is None
+            or self._last_applied is None
+            or self._last_applied[0] != round_index - 1
+        ):
             return None, []
         if not self._non_finite or len(self._non_finite) * 2 <= len(self._judged):
             return None, []
         previous, devices = self._last_applied
-        log.error("round %d: most results are non-finite; rolling back round %d and quarantining %s",
-                  round_index, previous, ", ".join(devices))
+        log.error(
+            "round %d: most results are non-finite; rolling back round %d and quarantining %s",
+            round_index,
+            previous,
+            ", ".join(devices),
+        )
         counters["rolled_back"] += 1
         self.strategy.load_state(*self._before_last)
         self._before_last = self._last_applied = self._scale = None
         return previous, self._quarantine(round_index, [], devices)
 
-    def _quarantine(self, round_index: int, accepted: list[tuple[Task, Result]],
-                    devices: list[str] | None = None) -> list[str]:
+    def _quarantine(
+        self, round_index: int, accepted: list[tuple[Task, Result]], devices: list[str] | None = None
+    ) -> list[str]:
         names = sorted(devices if devices is not None else {r.device_id for _, r in accepted})
         until = round_index + 1 + self.policy.robust.quarantine_rounds
         for name in names:
@@ -366,13 +419,25 @@ class Coordinator:
         with (self.out_dir / "metrics.jsonl").open("a") as fh:
             fh.write(json.dumps(asdict(record)) + "\n")
         last = round_index == self.policy.rounds - 1
-        if last or (self.policy.checkpoint_every > 0 and (round_index + 1) % self.policy.checkpoint_every == 0):
-            manifest = {"method": self.strategy.name, "strategy": self.strategy.state_meta(),
-                        "seed": self.policy.seed, "totals": dict(self.totals),
-                        "model": self.strategy.model.to_dict(), "context": self.strategy.ctx.to_record()}
+        if last or (
+            self.policy.checkpoint_every > 0 and (round_index + 1) % self.policy.checkpoint_every == 0
+        ):
+            manifest = {
+                "method": self.strategy.name,
+                "strategy": self.strategy.state_meta(),
+                "seed": self.policy.seed,
+                "totals": dict(self.totals),
+                "model": self.strategy.model.to_dict(),
+                "context": self.strategy.ctx.to_record(),
+            }
             sides = {self.side.name: self.side.snapshot()} if self.side else None
-            save_checkpoint(self.out_dir / "checkpoints", round_index, self.strategy.state_tensors(), manifest,
-                            sides=sides)
+            save_checkpoint(
+                self.out_dir / "checkpoints",
+                round_index,
+                self.strategy.state_tensors(),
+                manifest,
+                sides=sides,
+            )
 
     def resume(self) -> int:
         """Continue after the newest complete checkpoint; metrics of later, unfinished rounds are dropped."""
@@ -383,7 +448,9 @@ class Coordinator:
             raise NestlingError(f"no complete checkpoint under {self.out_dir / 'checkpoints'}")
         tensors, manifest = load_checkpoint(path)
         if manifest.get("method") != self.strategy.name:
-            raise NestlingError(f"checkpoint is for method '{manifest.get('method')}', not '{self.strategy.name}'")
+            raise NestlingError(
+                f"checkpoint is for method '{manifest.get('method')}', not '{self.strategy.name}'"
+            )
         self.strategy.load_state(tensors, manifest.get("strategy", {}))
         if self.side:
             self.side.restore(load_checkpoint_side(path, self.side.name) or {})
@@ -391,8 +458,11 @@ class Coordinator:
         self.start_round = int(manifest["round"]) + 1
         metrics = self.out_dir / "metrics.jsonl"
         if metrics.exists():
-            kept = [line for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line)["round"] < self.start_round]
+            kept = [
+                line
+                for line in metrics.read_text().splitlines()
+                if line.strip() and json.loads(line)["round"] < self.start_round
+            ]
             metrics.write_text("".join(line + "\n" for line in kept))
         return self.start_round
 

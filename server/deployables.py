@@ -26,8 +26,9 @@ def wants_export(profile: dict[str, Any] | None) -> bool:
     return isinstance(export, dict) and export.get("on_finish") is True
 
 
-def deployable_target(strategy: Strategy, device: DeviceInfo, last_round: int,
-                      targets: list[EvalTarget]) -> EvalTarget:
+def deployable_target(
+    strategy: Strategy, device: DeviceInfo, last_round: int, targets: list[EvalTarget]
+) -> EvalTarget:
     """The submodel `device` deploys, with the weights the server evaluates it with.
 
     The strategy names the spec (Strategy.deploy_spec); its evaluated target carries the right
@@ -40,10 +41,14 @@ def deployable_target(strategy: Strategy, device: DeviceInfo, last_round: int,
     if len(targets) == 1:
         return targets[0]
     per_width = spec.width if spec.model.norm_stats == "per_width" else None
-    return EvalTarget(f"spec-{spec.id}", spec, extract(strategy.global_export_state(), spec), active_width=per_width)
+    return EvalTarget(
+        f"spec-{spec.id}", spec, extract(strategy.global_export_state(), spec), active_width=per_width
+    )
 
 
-def export_orders(strategy: Strategy, devices: list[DeviceInfo], last_round: int, mode: str) -> list[ExportOrder]:
+def export_orders(
+    strategy: Strategy, devices: list[DeviceInfo], last_round: int, mode: str
+) -> list[ExportOrder]:
     """One order per device that should export: all of them (mode "all") or those that asked ("requested")."""
     chosen = [d for d in devices if mode == "all" or (mode == "requested" and wants_export(d.profile))]
     if not chosen:
@@ -52,11 +57,20 @@ def export_orders(strategy: Strategy, devices: list[DeviceInfo], last_round: int
     orders = []
     for device in chosen:
         target = deployable_target(strategy, device, last_round, targets)
-        orders.append(ExportOrder(device_id=device.device_id, round=last_round,
-                                  order_id=f"export-r{last_round}-{device.device_id}", name=target.name,
-                                  spec=target.spec.to_dict(), weights=target.state, ensemble=target.ensemble,
-                                  static_bn=target.static_bn, active_width=target.active_width,
-                                  method=strategy.name))
+        orders.append(
+            ExportOrder(
+                device_id=device.device_id,
+                round=last_round,
+                order_id=f"export-r{last_round}-{device.device_id}",
+                name=target.name,
+                spec=target.spec.to_dict(),
+                weights=target.state,
+                ensemble=target.ensemble,
+                static_bn=target.static_bn,
+                active_width=target.active_width,
+                method=strategy.name,
+            )
+        )
     return orders
 
 
@@ -110,8 +124,15 @@ def deployable_rows(records: dict[str, DeviceRecord], ledger: ExportLedger) -> l
         if report is not None:
             rows.append(report.to_dict())
         elif order is not None:
-            rows.append({"device_id": device_id, "status": NO_REPORT, "submodel": order.name,
-                         "spec_id": order.spec_id, "order_id": order.order_id})
+            rows.append(
+                {
+                    "device_id": device_id,
+                    "status": NO_REPORT,
+                    "submodel": order.name,
+                    "spec_id": order.spec_id,
+                    "order_id": order.order_id,
+                }
+            )
         else:
             asked = wants_export(records[device_id].info.profile)
             status = OFFLINE if asked and not records[device_id].online else NOT_REQUESTED
@@ -142,8 +163,18 @@ def deployables_table(rows: list[dict[str, Any]]) -> str:
         reason = (row.get("tensorrt") or {}).get("reason")
         if reason and row.get("status") == "ok":
             note = f"{note}  ({reason})"
-        lines.append((row["device_id"], row["status"], row.get("submodel") or "-",
-                      "+".join(row.get("models") or []) or "-", _parity(row), _p50(row), note))
+        lines.append(
+            (
+                row["device_id"],
+                row["status"],
+                row.get("submodel") or "-",
+                "+".join(row.get("models") or []) or "-",
+                _parity(row),
+                _p50(row),
+                note,
+            )
+        )
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header) - 1)]
-    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths)) + "  " + str(line[-1])
-                     for line in lines).rstrip()
+    return "\n".join(
+        "  ".join(str(v).ljust(w) for v, w in zip(line, widths)) + "  " + str(line[-1]) for line in lines
+    ).rstrip()

@@ -28,8 +28,15 @@ class EvalResult:
 class Evaluator:
     """Scores submodels on held-out tensors; `calibration` is training data for HeteroFL's static BN."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 512, device: str = "cpu",
-                 calibration: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        batch_size: int = 512,
+        device: str = "cpu",
+        calibration: torch.Tensor | None = None,
+    ) -> None:
         self.x, self.y = x, y
         self.batch_size = batch_size
         self.device = device
@@ -39,13 +46,22 @@ class Evaluator:
     def model_for(self, target: EvalTarget) -> ScalableNet:
         spec = target.spec
         if target.static_bn:
-            spec = SubmodelSpec(spec.model.with_(norm_stats="running"), width=spec.width, blocks=spec.blocks,
-                                depth=spec.depth, exits=spec.exits, block_widths=spec.block_widths, head=spec.head)
+            spec = SubmodelSpec(
+                spec.model.with_(norm_stats="running"),
+                width=spec.width,
+                blocks=spec.blocks,
+                depth=spec.depth,
+                exits=spec.exits,
+                block_widths=spec.block_widths,
+                head=spec.head,
+            )
         model = build(spec, init=False)
         missing, unexpected = model.load_state_dict(target.state, strict=False)
         stray = [k for k in missing if "running_" not in k and "num_batches" not in k]
         if stray or unexpected:
-            raise ValueError(f"evaluation weights do not match {target.name}: missing {stray[:3]}, unexpected {unexpected[:3]}")
+            raise ValueError(
+                f"evaluation weights do not match {target.name}: missing {stray[:3]}, unexpected {unexpected[:3]}"
+            )
         model.to(self.device)
         if target.active_width is not None:
             set_active_width(model, target.active_width)
@@ -69,7 +85,7 @@ class Evaluator:
                 # there, so it must be off here too (else eval normalises x with the stats of x / r).
                 module.eval()
         for start in range(0, len(self.calibration), self.batch_size):
-            model(self.calibration[start:start + self.batch_size].to(self.device))
+            model(self.calibration[start : start + self.batch_size].to(self.device))
 
     @torch.no_grad()
     def evaluate(self, target: EvalTarget) -> EvalResult:
@@ -77,8 +93,8 @@ class Evaluator:
         model.eval()
         correct, loss_sum = 0, 0.0
         for start in range(0, len(self.y), self.batch_size):
-            x = self.x[start:start + self.batch_size].to(self.device)
-            y = self.y[start:start + self.batch_size].to(self.device)
+            x = self.x[start : start + self.batch_size].to(self.device)
+            y = self.y[start : start + self.batch_size].to(self.device)
             outputs = model.forward_all(x)
             logits = torch.stack(outputs).mean(0) if target.ensemble else outputs[-1]
             loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))

@@ -34,19 +34,31 @@ log = logging.getLogger("nestling.fleet")
 
 def transport_settings(cfg: FleetConfig) -> TransportSettings:
     fleet = cfg.fleet
-    return TransportSettings(chunk_size=fleet.chunk_kb * 1024, max_message_bytes=fleet.max_message_mb * 1024 * 1024,
-                             stall_s=fleet.stall_s, round_min_devices=fleet.round_min_devices,
-                             device_wait_s=fleet.registration_timeout_s)
+    return TransportSettings(
+        chunk_size=fleet.chunk_kb * 1024,
+        max_message_bytes=fleet.max_message_mb * 1024 * 1024,
+        stall_s=fleet.stall_s,
+        round_min_devices=fleet.round_min_devices,
+        device_wait_s=fleet.registration_timeout_s,
+    )
 
 
 def make_strategy(cfg: FleetConfig, num_classes: int, input_shape: tuple[int, int, int]) -> Strategy:
     channels, size, _ = input_shape
     run, train = cfg.run.run, cfg.run.train
     ctx = StrategyContext(
-        arch=cfg.run.model.arch, num_classes=num_classes, in_channels=channels, image_size=size,
-        num_clients=cfg.fleet.devices, total_rounds=run.rounds, seed=run.seed,
+        arch=cfg.run.model.arch,
+        num_classes=num_classes,
+        in_channels=channels,
+        image_size=size,
+        num_clients=cfg.fleet.devices,
+        total_rounds=run.rounds,
+        seed=run.seed,
         schedule=LrSchedule(train.schedule, train.lr, train.gamma, tuple(train.milestones)),
-        local=cfg.run.train.local_hparams(), options=dict(cfg.run.method.options), model_extra=dict(cfg.run.model.extra))
+        local=cfg.run.train.local_hparams(),
+        options=dict(cfg.run.method.options),
+        model_extra=dict(cfg.run.model.extra),
+    )
     return create_strategy(cfg.run.method.name, ctx)
 
 
@@ -63,28 +75,34 @@ def round_line(record: RoundRecord, total: int) -> str:
     return f"round {record.round + 1}/{total}: {', '.join(notes)}, {record.wall_seconds:.1f}s  {accuracies}"
 
 
-def finish_exports(cfg: FleetConfig, strategy: Strategy, transport: MqttTransport, registry: DeviceRegistry,
-                   last_round: int) -> list[dict[str, Any]] | None:
+def finish_exports(
+    cfg: FleetConfig, strategy: Strategy, transport: MqttTransport, registry: DeviceRegistry, last_round: int
+) -> list[dict[str, Any]] | None:
     """After the last round: send export orders ([export] on_finish), wait for the boards' reports, and
     return summary.json's "deployables" (None when exports are off)."""
     policy = cfg.export
     if policy.on_finish == "off":
         asked = sorted(d for d, r in registry.records.items() if wants_export(r.info.profile))
         if asked:
-            print(f"{', '.join(asked)} asked for their final model, but fleet.toml's [export] on_finish is off",
-                  flush=True)
+            print(
+                f"{', '.join(asked)} asked for their final model, but fleet.toml's [export] on_finish is off",
+                flush=True,
+            )
         return None
     orders = export_orders(strategy, registry.available(), last_round, policy.on_finish)
     if orders:
-        print(f"sending the final model to {len(orders)} boards to export; waiting up to {policy.timeout_s:.0f}s",
-              flush=True)
+        print(
+            f"sending the final model to {len(orders)} boards to export; waiting up to {policy.timeout_s:.0f}s",
+            flush=True,
+        )
         transport.send_exports(orders)
         transport.wait_exports(policy.timeout_s)
     return deployable_rows(registry.records, transport.exports)
 
 
-def run_fleet(cfg: FleetConfig, *, resume: bool = False,
-              on_round: Callable[[RoundRecord], None] | None = None) -> dict[str, Any]:
+def run_fleet(
+    cfg: FleetConfig, *, resume: bool = False, on_round: Callable[[RoundRecord], None] | None = None
+) -> dict[str, Any]:
     """Wait for the fleet, run (or resume) every round, write metrics.jsonl, checkpoints and summary.json."""
     started = time.perf_counter()
     torch.set_num_threads(1)
@@ -94,17 +112,29 @@ def run_fleet(cfg: FleetConfig, *, resume: bool = False,
     strategy = make_strategy(cfg, bundle.num_classes, bundle.input_shape)
     out_dir = cfg.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    registry = DeviceRegistry(out_dir / "registry.json", heartbeat_timeout_s=cfg.fleet.heartbeat_timeout_s,
-                              allowed=set(cfg.fleet.allowed_devices) or None)
+    registry = DeviceRegistry(
+        out_dir / "registry.json",
+        heartbeat_timeout_s=cfg.fleet.heartbeat_timeout_s,
+        allowed=set(cfg.fleet.allowed_devices) or None,
+    )
     topics = FleetTopics(cfg.broker.fleet)
     clock = WallClock()
     client = cfg.broker.client(f"nestling-{topics.fleet}-server", will=(topics.server_status, OFFLINE, True))
     transport = MqttTransport(client, topics, registry, clock, transport_settings(cfg))
-    evaluator = Evaluator(bundle.test.x, bundle.test.y, batch_size=run.eval_batch, device=run.device,
-                          calibration=bundle.train.x)
-    policy = RoundPolicy(rounds=run.rounds, fraction=cfg.run.train.fraction, over_selection=run.over_selection,
-                         quorum=run.quorum, deadline_s=run.deadline_s, eval_every=run.eval_every,
-                         checkpoint_every=run.checkpoint_every, seed=run.seed, robust=robust_policy(run))
+    evaluator = Evaluator(
+        bundle.test.x, bundle.test.y, batch_size=run.eval_batch, device=run.device, calibration=bundle.train.x
+    )
+    policy = RoundPolicy(
+        rounds=run.rounds,
+        fraction=cfg.run.train.fraction,
+        over_selection=run.over_selection,
+        quorum=run.quorum,
+        deadline_s=run.deadline_s,
+        eval_every=run.eval_every,
+        checkpoint_every=run.checkpoint_every,
+        seed=run.seed,
+        robust=robust_policy(run),
+    )
 
     def report(record: RoundRecord) -> None:
         print(round_line(record, run.rounds), flush=True)
@@ -121,24 +151,33 @@ def run_fleet(cfg: FleetConfig, *, resume: bool = False,
     transport.connect(*cfg.broker.host_port)
     try:
         transport.publish_status("waiting", coordinator.start_round)
-        print(f"server for fleet {topics.fleet} on {cfg.broker.url}: waiting for {cfg.min_devices} devices",
-              flush=True)
+        print(
+            f"server for fleet {topics.fleet} on {cfg.broker.url}: waiting for {cfg.min_devices} devices",
+            flush=True,
+        )
         ready = transport.wait_for_devices(cfg.min_devices, cfg.fleet.registration_timeout_s)
         if not ready:
             raise NestlingError(f"no device registered within {cfg.fleet.registration_timeout_s:.0f}s")
         print(f"{len(ready)} devices registered: {', '.join(d.device_id for d in ready)}", flush=True)
         emulated = {d.device_id: emulated_class(d.profile) for d in ready if emulated_class(d.profile)}
-        if emulated:  # `nestling agent --emulate`: wall-clock rounds are the emulated boards', not this host's
-            print(f"{len(emulated)} of them emulate slower boards: "
-                  f"{', '.join(f'{d} as {c}' for d, c in emulated.items())}", flush=True)
+        if (
+            emulated
+        ):  # `nestling agent --emulate`: wall-clock rounds are the emulated boards', not this host's
+            print(
+                f"{len(emulated)} of them emulate slower boards: "
+                f"{', '.join(f'{d} as {c}' for d, c in emulated.items())}",
+                flush=True,
+            )
         coordinator.run()
         transport.publish_status("done", run.rounds - 1)
         try:
             deployables = finish_exports(cfg, strategy, transport, registry, run.rounds - 1)
         except Exception:  # the run's results are in: a bug in the export step must not lose its summary
             log.exception("end-of-run export failed")
-            print("end-of-run export failed (see the log); the run summary is written without deployables",
-                  flush=True)
+            print(
+                "end-of-run export failed (see the log); the run summary is written without deployables",
+                flush=True,
+            )
             deployables = None
     finally:
         transport.close()
@@ -172,17 +211,26 @@ def _install_service(config: Path, out: Path, user: str | None) -> int:
 
 def server_main(argv: list[str]) -> int:
     """`nestling server --config fleet.toml [--resume]` | `nestling server install-service --config fleet.toml`."""
-    parser = argparse.ArgumentParser(prog="nestling server", description="Coordinate a fleet of agents over MQTT.")
+    parser = argparse.ArgumentParser(
+        prog="nestling server", description="Coordinate a fleet of agents over MQTT."
+    )
     parser.add_argument("action", nargs="?", choices=("run", "install-service"), default="run")
     parser.add_argument("--config", type=Path, required=True, help="fleet.toml (see examples/fleet.toml)")
     parser.add_argument("--resume", action="store_true", help="continue after the newest complete checkpoint")
-    parser.add_argument("--out", type=Path, default=Path("/etc/systemd/system"),
-                        help="install-service: where to write nestling-server.service (default /etc/systemd/system)")
-    parser.add_argument("--user", default=None, help="install-service: account the server runs as (default: you)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("/etc/systemd/system"),
+        help="install-service: where to write nestling-server.service (default /etc/systemd/system)",
+    )
+    parser.add_argument(
+        "--user", default=None, help="install-service: account the server runs as (default: you)"
+    )
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        force=True)  # the top-level CLI configured WARNING already
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True
+    )  # the top-level CLI configured WARNING already
     if args.action == "install-service":
         return _install_service(args.config, args.out, args.user)
     try:
@@ -190,8 +238,10 @@ def server_main(argv: list[str]) -> int:
     except NestlingError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    print(f"done: {summary['rounds']} rounds, worst {summary['worst_accuracy']}, avg {summary['avg_accuracy']}",
-          flush=True)
+    print(
+        f"done: {summary['rounds']} rounds, worst {summary['worst_accuracy']}, avg {summary['avg_accuracy']}",
+        flush=True,
+    )
     return 0
 
 

@@ -60,8 +60,14 @@ def wrong_tensors(result: Result, entry: Dispatched) -> str | None:
     return None
 
 
-def check_result(device_id: str, result: Result, session: str, my_session: str, entry: Dispatched | None,
-                 current_round: int | None) -> str | None:
+def check_result(
+    device_id: str,
+    result: Result,
+    session: str,
+    my_session: str,
+    entry: Dispatched | None,
+    current_round: int | None,
+) -> str | None:
     """None when the result answers an open task of this server exactly, else the rejection reason."""
     if result.device_id != device_id:
         return "wrong_device"

@@ -36,8 +36,12 @@ EXPORT_MODES = ("off", "requested", "all")
 class ExportPolicy:
     """[export]: after the last round, send boards the final weights of their submodel to build deployables."""
 
-    on_finish: str = "off"  # "requested": boards whose agent.toml sets [export] on_finish; "all": every online board
-    timeout_s: float = 600.0  # how long the server waits for the boards' export reports (TensorRT builds take minutes)
+    on_finish: str = (
+        "off"  # "requested": boards whose agent.toml sets [export] on_finish; "all": every online board
+    )
+    timeout_s: float = (
+        600.0  # how long the server waits for the boards' export reports (TensorRT builds take minutes)
+    )
 
 
 @dataclass
@@ -54,15 +58,21 @@ class FleetConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """What summary.json records (no secrets: the broker password is left out)."""
-        return {**self.run.to_dict(), "fleet": vars(self.fleet), "export": vars(self.export),
-                "broker": {"url": self.broker.url, "fleet": self.broker.fleet}}
+        return {
+            **self.run.to_dict(),
+            "fleet": vars(self.fleet),
+            "export": vars(self.export),
+            "broker": {"url": self.broker.url, "fleet": self.broker.fleet},
+        }
 
 
 def fleet_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> FleetConfig:
     unknown = sorted(set(data) - {"broker", "fleet", "run", "data", "model", "method", "train", "export"})
     if unknown:
-        raise ConfigError(f"unknown fleet config sections {unknown} "
-                          "(known: broker, fleet, run, data, model, method, train, export)")
+        raise ConfigError(
+            f"unknown fleet config sections {unknown} "
+            "(known: broker, fleet, run, data, model, method, train, export)"
+        )
     broker = BrokerSettings.from_table(data.get("broker", {}), base)
     fleet = read_table(FleetSection, "fleet", data.get("fleet", {}))
     if fleet.devices < 1 or fleet.min_devices < 0 or fleet.round_min_devices < 1:
@@ -83,12 +93,19 @@ def fleet_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Flee
         data_table["root"] = str(base / data_table["root"])  # relative to the config file (absolute stays)
     stray = sorted(set(data_table) - set(SERVER_DATA_KEYS))
     if stray:
-        raise ConfigError(f"[data] {stray} belong in each agent.toml; the server's [data] is its evaluation set "
-                          f"({', '.join(SERVER_DATA_KEYS)})")
-    sim = config_from_dict({"run": {**RUN_DEFAULTS, **run, "workers": 1},
-                            "data": {**data_table, "clients": fleet.devices},
-                            "model": data.get("model", {}), "method": data.get("method", {}),
-                            "train": data.get("train", {})})
+        raise ConfigError(
+            f"[data] {stray} belong in each agent.toml; the server's [data] is its evaluation set "
+            f"({', '.join(SERVER_DATA_KEYS)})"
+        )
+    sim = config_from_dict(
+        {
+            "run": {**RUN_DEFAULTS, **run, "workers": 1},
+            "data": {**data_table, "clients": fleet.devices},
+            "model": data.get("model", {}),
+            "method": data.get("method", {}),
+            "train": data.get("train", {}),
+        }
+    )
     if sim.run.deadline_s is None or sim.run.deadline_s <= 0:
         raise ConfigError("[run] deadline_s must be > 0: a fleet round cannot wait forever for a lost device")
     if not isinstance(out_dir, str):

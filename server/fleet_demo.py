@@ -25,7 +25,12 @@ from nestling.server.fleet import run_fleet
 from nestling.server.fleet_config import load_fleet_config
 
 FLEET = "demo"
-BUDGETS_MB = (9, 12, 16, 24)  # ResNet-20 on 16x16 digits, batch 32: the planner puts k1..k5 at 8.5/10.3/15.9/17.2/17.7 MB
+BUDGETS_MB = (
+    9,
+    12,
+    16,
+    24,
+)  # ResNet-20 on 16x16 digits, batch 32: the planner puts k1..k5 at 8.5/10.3/15.9/17.2/17.7 MB
 
 
 def fleet_toml(url: str, args: argparse.Namespace) -> str:
@@ -81,8 +86,14 @@ def start_agents(url: str, work: Path) -> list[subprocess.Popen]:
         config = work / f"agent-{index}.toml"
         config.write_text(agent_toml(url, index, budget))
         with (work / f"agent-{index}.log").open("wb") as log:
-            agents.append(subprocess.Popen([sys.executable, "-m", "nestling.edge.agent_cli", "--config", str(config)],
-                                           env=env, stdout=log, stderr=subprocess.STDOUT))
+            agents.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "nestling.edge.agent_cli", "--config", str(config)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     return agents
 
 
@@ -99,32 +110,45 @@ def stop_agents(agents: list[subprocess.Popen]) -> None:
 def print_table(summary: dict[str, Any]) -> None:
     """Per-submodel accuracy, size and which boards trained it."""
     budgets = {f"board-{i}": mb for i, mb in enumerate(BUDGETS_MB)}
-    table = Table(title=f"NeFL-WD on a 4-board fleet · {summary['model']} · digits · {summary['rounds']} rounds")
+    table = Table(
+        title=f"NeFL-WD on a 4-board fleet · {summary['model']} · digits · {summary['rounds']} rounds"
+    )
     for column in ("submodel", "parameters", "MACs", "test accuracy", "trained by"):
         table.add_column(column, justify="left" if column in ("submodel", "trained by") else "right")
     trained = []
     for sub in summary["submodels"]:
-        boards = ", ".join(f"{d} ({budgets.get(d, '?')} MB)" for d in summary["trained_by"].get(sub["id"], []))
+        boards = ", ".join(
+            f"{d} ({budgets.get(d, '?')} MB)" for d in summary["trained_by"].get(sub["id"], [])
+        )
         if boards:
             trained.append(sub["accuracy"])
-        table.add_row(sub["name"], f"{sub['parameters']:,}", f"{sub['macs']:,}", f"{100 * sub['accuracy']:.1f}%",
-                      boards or "no board's budget lands here")
+        table.add_row(
+            sub["name"],
+            f"{sub['parameters']:,}",
+            f"{sub['macs']:,}",
+            f"{100 * sub['accuracy']:.1f}%",
+            boards or "no board's budget lands here",
+        )
     console = Console()
     console.print(table)
     transport = summary["transport"]
     rejected = sum(v for k, v in transport.items() if k.startswith("rejected_"))
     if trained:
-        console.print(f"trained submodels: worst {100 * min(trained):.1f}%, average "
-                      f"{100 * sum(trained) / len(trained):.1f}% · {transport.get('accepted', 0)}/"
-                      f"{transport.get('dispatched', 0)} results accepted, {rejected} rejected · "
-                      f"{summary['wall_seconds']:.0f} s")
+        console.print(
+            f"trained submodels: worst {100 * min(trained):.1f}%, average "
+            f"{100 * sum(trained) / len(trained):.1f}% · {transport.get('accepted', 0)}/"
+            f"{transport.get('dispatched', 0)} results accepted, {rejected} rejected · "
+            f"{summary['wall_seconds']:.0f} s"
+        )
 
 
 def demo_main(argv: list[str]) -> int:
     """`nestling demo [--rounds N] [--model resnet20] [--out DIR]`."""
     parser = argparse.ArgumentParser(prog="nestling demo", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--model", default="resnet20", help="any zoo model with a NeFL family (tinycnn is faster)")
+    parser.add_argument(
+        "--model", default="resnet20", help="any zoo model with a NeFL family (tinycnn is faster)"
+    )
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--out", type=Path, default=Path("runs/demo-fleet"))
@@ -135,8 +159,11 @@ def demo_main(argv: list[str]) -> int:
     try:
         with EmbeddedBroker() as broker:
             (work / "fleet.toml").write_text(fleet_toml(broker.url, args))
-            print(f"embedded broker on {broker.url}; boards with {', '.join(map(str, BUDGETS_MB))} MB budgets; "
-                  f"logs in {work}", flush=True)
+            print(
+                f"embedded broker on {broker.url}; boards with {', '.join(map(str, BUDGETS_MB))} MB budgets; "
+                f"logs in {work}",
+                flush=True,
+            )
             agents = start_agents(broker.url, work)
             try:
                 summary = run_fleet(load_fleet_config(work / "fleet.toml"))
@@ -146,8 +173,10 @@ def demo_main(argv: list[str]) -> int:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print_table(summary)
-    print(f"demo finished in {time.perf_counter() - started:.0f} s; metrics, checkpoints and accuracy.png in "
-          f"{work / 'out'}")
+    print(
+        f"demo finished in {time.perf_counter() - started:.0f} s; metrics, checkpoints and accuracy.png in "
+        f"{work / 'out'}"
+    )
     return 0
 
 

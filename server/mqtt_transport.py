@@ -86,8 +86,14 @@ class MqttTransport:
     """Implements server.transport.Transport for a fleet; `client` comes from nestling.wire.client.make_client
     with the server's last will on `topics.server_status`."""
 
-    def __init__(self, client: mqtt.Client, topics: FleetTopics, registry: DeviceRegistry, clock: Clock,
-                 settings: TransportSettings | None = None) -> None:
+    def __init__(
+        self,
+        client: mqtt.Client,
+        topics: FleetTopics,
+        registry: DeviceRegistry,
+        clock: Clock,
+        settings: TransportSettings | None = None,
+    ) -> None:
         self.client = client
         self.topics = topics
         self.registry = registry
@@ -98,7 +104,9 @@ class MqttTransport:
         self.trained_by: dict[str, set[str]] = {}  # spec id → devices whose results of it were accepted
         self.current_round: int | None = None
         self.phase = "waiting"
-        self._inbox: queue.SimpleQueue[tuple[str, bytes, float]] = queue.SimpleQueue()  # topic, payload, arrival
+        self._inbox: queue.SimpleQueue[tuple[str, bytes, float]] = (
+            queue.SimpleQueue()
+        )  # topic, payload, arrival
         self._tasks: dict[str, Dispatched] = {}
         self._open: dict[str, str] = {}  # device id → task id it holds in the current round
         self._inbound: dict[str, Inbound] = {}
@@ -109,8 +117,12 @@ class MqttTransport:
         self._counted = RecentKeys()
         self._rehello_at: dict[str, float] = {}
         self._held: dict[str, Result] = {}  # task id -> a later result, kept until the first is judged
-        self._cleared: set[str] = set()  # topics whose retained frame we cleared (their empty echo is ignored)
-        self._chunk_answered_at: dict[str, float] = {}  # device -> when its last chunk re-request was answered
+        self._cleared: set[str] = (
+            set()
+        )  # topics whose retained frame we cleared (their empty echo is ignored)
+        self._chunk_answered_at: dict[
+            str, float
+        ] = {}  # device -> when its last chunk re-request was answered
         self._next_tick = 0.0
         self._status_sent: mqtt.MQTTMessageInfo | None = None
         self._subscribed = threading.Event()
@@ -122,11 +134,13 @@ class MqttTransport:
         client.on_connect = self._on_connect
         client.on_subscribe = lambda *_: self._subscribed.set()
         client.on_message = lambda _c, _u, msg: self._inbox.put(
-            (msg.topic, bytes(msg.payload), clock.now(), bool(msg.retain)))
+            (msg.topic, bytes(msg.payload), clock.now(), bool(msg.retain))
+        )
 
     # -- connection (paho's thread) --------------------------------------------------------------
-    def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
-                    properties: object) -> None:
+    def _on_connect(
+        self, client: mqtt.Client, userdata: object, flags: object, reason: object, properties: object
+    ) -> None:
         if getattr(reason, "is_failure", False):
             log.warning("broker refused the server: %s", reason)
             return
@@ -187,8 +201,11 @@ class MqttTransport:
             self._tasks[task.task_id] = entry
             self._open[task.device_id] = task.task_id
             self._inbound[task.device_id] = Inbound(
-                min(entry.limit, self.settings.max_message_bytes), stall_s=self.settings.stall_s,
-                max_attempts=self.settings.max_rerequests, ttl_s=self.settings.transfer_ttl_s)
+                min(entry.limit, self.settings.max_message_bytes),
+                stall_s=self.settings.stall_s,
+                max_attempts=self.settings.max_rerequests,
+                ttl_s=self.settings.transfer_ttl_s,
+            )
             self._send_task(entry)
         self._forget_before(self.current_round)
         self.counters["dispatched"] += len(tasks)
@@ -340,7 +357,9 @@ class MqttTransport:
         if kind == CHUNK_REQUEST_KIND:  # the device lost chunks of its task (or of its export order)
             now = time.monotonic()
             if now - self._chunk_answered_at.get(device_id, -1e9) < self.settings.chunk_answer_every_s:
-                self._reject(device_id, "throttled", detail="chunk re-request")  # a looping board must not flood
+                self._reject(
+                    device_id, "throttled", detail="chunk re-request"
+                )  # a looping board must not flood
                 return
             if len(self._chunk_answered_at) > 10_000:
                 self._chunk_answered_at.clear()

@@ -21,9 +21,13 @@ from nestling.profiler.planner import DeviceBudget, PlanRow, plan_to_json
 def _plan_parser() -> argparse.ArgumentParser:
     from nestling.server.plan_methods import PLANNABLE
 
-    p = argparse.ArgumentParser(prog="nestling plan", description="Turn device budgets into submodels or stages.")
+    p = argparse.ArgumentParser(
+        prog="nestling plan", description="Turn device budgets into submodels or stages."
+    )
     p.add_argument("profiles", nargs="*", type=Path, help="device profiles written by `nestling profile`")
-    p.add_argument("--budget-mb", type=float, nargs="+", help="memory budgets: one per profile, or devices of their own")
+    p.add_argument(
+        "--budget-mb", type=float, nargs="+", help="memory budgets: one per profile, or devices of their own"
+    )
     p.add_argument("--method", required=True, choices=PLANNABLE)
     p.add_argument("--model", required=True, choices=known_models())
     p.add_argument("--batch", type=int, help="training batch (default: the first profile's, else 32)")
@@ -31,11 +35,23 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--in-channels", type=int, default=3)
     p.add_argument("--step-ms", type=float, help="time budget per training step")
-    p.add_argument("--memory-fraction", type=float, default=0.5,
-                   help="share of a profile's available memory used when it records no budget")
-    p.add_argument("--levels", type=int, default=4, help="ScaleFL: number of complexity levels (k-means clusters)")
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.5,
+        help="share of a profile's available memory used when it records no budget",
+    )
+    p.add_argument(
+        "--levels", type=int, default=4, help="ScaleFL: number of complexity levels (k-means clusters)"
+    )
     p.add_argument("--tolerance", type=float, default=0.05, help="FeDepth τ / ScaleFL ε")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=JSON", help="a [method] option, e.g. budgets=\"lack\"")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help='a [method] option, e.g. budgets="lack"',
+    )
     p.add_argument("--out", type=Path, default=Path("plan.json"))
     return p
 
@@ -50,12 +66,21 @@ def _devices(args: argparse.Namespace) -> tuple[list[DeviceBudget], int | None]:
     if profiles and budgets and len(budgets) != len(profiles):
         raise NestlingError(f"--budget-mb has {len(budgets)} values for {len(profiles)} profiles")
     if profiles:
-        devices = [DeviceBudget.from_profile(p, memory_bytes=int(budgets[i] * MIB) if budgets else None,
-                                             memory_fraction=args.memory_fraction, step_ms_budget=args.step_ms)
-                   for i, p in enumerate(profiles)]
+        devices = [
+            DeviceBudget.from_profile(
+                p,
+                memory_bytes=int(budgets[i] * MIB) if budgets else None,
+                memory_fraction=args.memory_fraction,
+                step_ms_budget=args.step_ms,
+            )
+            for i, p in enumerate(profiles)
+        ]
         batch = next((int(p["model"]["batch"]) for p in profiles if "model" in p), None)
         return devices, batch
-    return [DeviceBudget(f"budget-{i + 1}", int(mb * MIB), step_ms_budget=args.step_ms) for i, mb in enumerate(budgets)], None
+    return [
+        DeviceBudget(f"budget-{i + 1}", int(mb * MIB), step_ms_budget=args.step_ms)
+        for i, mb in enumerate(budgets)
+    ], None
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
@@ -73,12 +98,28 @@ def _parse_options(pairs: list[str]) -> dict[str, Any]:
 
 def _plan_table(method: str, rows: list[PlanRow]) -> Table:
     table = Table(title=f"plan · {method}")
-    for column in ("device", "budget MiB", "plan", "params", "GMACs/step", "est. MiB", "est. step ms", "fits"):
+    for column in (
+        "device",
+        "budget MiB",
+        "plan",
+        "params",
+        "GMACs/step",
+        "est. MiB",
+        "est. step ms",
+        "fits",
+    ):
         table.add_column(column, justify="left" if column in ("device", "plan") else "right")
     for r in rows:
-        table.add_row(r.device, f"{r.budget_bytes / MIB:.1f}", r.label, f"{r.params:,}", f"{r.training_macs / 1e9:.2f}",
-                      f"{r.memory_bytes / MIB:.1f}", "–" if r.step_ms is None else f"{r.step_ms:.1f}",
-                      "[green]yes[/green]" if r.fits else "[red]no[/red]")
+        table.add_row(
+            r.device,
+            f"{r.budget_bytes / MIB:.1f}",
+            r.label,
+            f"{r.params:,}",
+            f"{r.training_macs / 1e9:.2f}",
+            f"{r.memory_bytes / MIB:.1f}",
+            "–" if r.step_ms is None else f"{r.step_ms:.1f}",
+            "[green]yes[/green]" if r.fits else "[red]no[/red]",
+        )
     return table
 
 
@@ -91,9 +132,17 @@ def plan_main(argv: list[str]) -> int:
     try:
         devices, profile_batch = _devices(args)
         batch = args.batch or profile_batch or 32
-        rows, extra = plan_rows(args.method, args.model, devices, batch=batch,
-                                shape=(args.in_channels, args.image_size, args.image_size), classes=args.classes,
-                                levels=args.levels, tolerance=args.tolerance, options=_parse_options(args.option))
+        rows, extra = plan_rows(
+            args.method,
+            args.model,
+            devices,
+            batch=batch,
+            shape=(args.in_channels, args.image_size, args.image_size),
+            classes=args.classes,
+            levels=args.levels,
+            tolerance=args.tolerance,
+            options=_parse_options(args.option),
+        )
     except (NestlingError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2

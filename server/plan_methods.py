@@ -28,13 +28,27 @@ DEPTH_METHODS = ("fedepth", "m-fedepth")
 PLANNABLE = (*FAMILY_METHODS, "scalefl", *DEPTH_METHODS)
 
 
-def _strategy(method: str, arch: str, shape: tuple[int, int, int], classes: int, clients: int, batch: int,
-              options: dict[str, Any]) -> Any:
+def _strategy(
+    method: str,
+    arch: str,
+    shape: tuple[int, int, int],
+    classes: int,
+    clients: int,
+    batch: int,
+    options: dict[str, Any],
+) -> Any:
     from nestling.server.strategies import StrategyContext, create_strategy
 
-    ctx = StrategyContext(arch=arch, num_classes=classes, in_channels=shape[0], image_size=shape[1],
-                          num_clients=max(1, clients), total_rounds=1,
-                          local={"batch_size": batch, "momentum": 0.9}, options=options)
+    ctx = StrategyContext(
+        arch=arch,
+        num_classes=classes,
+        in_channels=shape[0],
+        image_size=shape[1],
+        num_clients=max(1, clients),
+        total_rounds=1,
+        local={"batch_size": batch, "momentum": 0.9},
+        options=options,
+    )
     return create_strategy(method, ctx)
 
 
@@ -47,13 +61,26 @@ def family_of(strategy: Any) -> tuple[list[str], list[SubmodelSpec]]:
     return [f"k{i + 1}" for i in range(len(specs))], list(specs)
 
 
-def _scalefl_plan(arch: str, shape: tuple[int, int, int], classes: int, devices: Sequence[DeviceBudget],
-                  batch: int, levels: int, tolerance: float) -> tuple[list[PlanRow], dict[str, Any]]:
+def _scalefl_plan(
+    arch: str,
+    shape: tuple[int, int, int],
+    classes: int,
+    devices: Sequence[DeviceBudget],
+    batch: int,
+    levels: int,
+    tolerance: float,
+) -> tuple[list[PlanRow], dict[str, Any]]:
     """k-means of the budgets into levels (§6.a.1), a memory-cost split per level, largest fitting level each."""
     from nestling.server.strategies import StrategyContext
 
-    ctx = StrategyContext(arch=arch, num_classes=classes, in_channels=shape[0], image_size=shape[1],
-                          num_clients=1, total_rounds=1)
+    ctx = StrategyContext(
+        arch=arch,
+        num_classes=classes,
+        in_channels=shape[0],
+        image_size=shape[1],
+        num_clients=1,
+        total_rounds=1,
+    )
     # The ScaleFL model family (server/strategies/scalefl.py): ScaleFL exits, Scaler, batch statistics, floor.
     base = ctx.model_config(exit_kind="scalefl", scaler="always", norm_stats="batch", rounding="floor")
     full = estimate(SubmodelSpec(base), batch).training_bytes
@@ -61,18 +88,42 @@ def _scalefl_plan(arch: str, shape: tuple[int, int, int], classes: int, devices:
     found = scalefl_memory_levels(base, [int(f * full) for f in fractions], batch, tolerance=tolerance)
     specs = scalefl_level_specs(base, found)
     rows = assign_levels(specs, devices, batch)
-    extra = {"levels": [{"width": lv.width, "depth": lv.depth, "memory_bytes": lv.memory_bytes,
-                         "target_bytes": lv.target_bytes} for lv in found]
-             + [{"width": 1.0, "depth": None, "memory_bytes": estimate(specs[-1], batch).training_bytes,
-                 "target_bytes": full}],
-             # What the ScaleFL strategy takes to train exactly these levels: --set method.grid='...'
-             "strategy_options": {"grid": [[lv.width, lv.depth] for lv in found]}}
+    extra = {
+        "levels": [
+            {
+                "width": lv.width,
+                "depth": lv.depth,
+                "memory_bytes": lv.memory_bytes,
+                "target_bytes": lv.target_bytes,
+            }
+            for lv in found
+        ]
+        + [
+            {
+                "width": 1.0,
+                "depth": None,
+                "memory_bytes": estimate(specs[-1], batch).training_bytes,
+                "target_bytes": full,
+            }
+        ],
+        # What the ScaleFL strategy takes to train exactly these levels: --set method.grid='...'
+        "strategy_options": {"grid": [[lv.width, lv.depth] for lv in found]},
+    }
     return rows, extra
 
 
-def plan_rows(method: str, arch: str, devices: Sequence[DeviceBudget], *, batch: int = 32,
-              shape: tuple[int, int, int] = (3, 32, 32), classes: int = 10, levels: int = 4,
-              tolerance: float = 0.05, options: dict[str, Any] | None = None) -> tuple[list[PlanRow], dict[str, Any]]:
+def plan_rows(
+    method: str,
+    arch: str,
+    devices: Sequence[DeviceBudget],
+    *,
+    batch: int = 32,
+    shape: tuple[int, int, int] = (3, 32, 32),
+    classes: int = 10,
+    levels: int = 4,
+    tolerance: float = 0.05,
+    options: dict[str, Any] | None = None,
+) -> tuple[list[PlanRow], dict[str, Any]]:
     """Rows for every device plus method facts worth recording (ScaleFL levels, FeDepth budgets)."""
     if method not in PLANNABLE:
         raise ConfigError(f"[plan] unknown method '{method}' (known: {', '.join(PLANNABLE)})")
@@ -84,10 +135,21 @@ def plan_rows(method: str, arch: str, devices: Sequence[DeviceBudget], *, batch:
         return plan_family(labels, specs, devices, batch), {}
     if method == "scalefl":
         return _scalefl_plan(arch, shape, classes, devices, batch, levels, tolerance)
-    strategy = _strategy(method, arch, shape, classes, len(devices), batch, {"tolerance": tolerance, **options})
+    strategy = _strategy(
+        method, arch, shape, classes, len(devices), batch, {"tolerance": tolerance, **options}
+    )
     full_cost = estimate(strategy.full_spec, batch, momentum=True)
-    rows = plan_depthwise(strategy.costs, full_cost, devices, tolerance=tolerance, plan_of=strategy.plan_for_budget,
-                          stem_every_stage=strategy.stem_every_stage)
-    extra = {"budgets": {f"{r:.4g}": b for r, b in strategy.ratio_bytes.items()},
-             "block_bytes": [int(b) for b in strategy.costs.blocks], "stem_bytes": int(strategy.costs.stem)}
+    rows = plan_depthwise(
+        strategy.costs,
+        full_cost,
+        devices,
+        tolerance=tolerance,
+        plan_of=strategy.plan_for_budget,
+        stem_every_stage=strategy.stem_every_stage,
+    )
+    extra = {
+        "budgets": {f"{r:.4g}": b for r, b in strategy.ratio_bytes.items()},
+        "block_bytes": [int(b) for b in strategy.costs.blocks],
+        "stem_bytes": int(strategy.costs.stem),
+    }
     return rows, extra

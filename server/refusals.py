@@ -33,7 +33,12 @@ class RefusalLog:
         """Summary lines for the round that just ended (one per device that kept being refused)."""
         for device_id, reasons in sorted(self.suppressed.items()):
             listed = ", ".join(f"{reason} x{count}" for reason, count in sorted(reasons.items()))
-            self.logger.warning("round %s: %s was refused %d more times (%s)", self.round, device_id,
-                                sum(reasons.values()), listed)
+            self.logger.warning(
+                "round %s: %s was refused %d more times (%s)",
+                self.round,
+                device_id,
+                sum(reasons.values()),
+                listed,
+            )
         self.suppressed.clear()
         self.logged.clear()

@@ -14,6 +14,7 @@ from nestling.server.strategies.base import DeviceInfo
 
 log = logging.getLogger("nestling.registry")
 
+
 @dataclass
 class DeviceRecord:
     """One registered device: what strategies see, and what the transport knows of its liveness."""
@@ -35,7 +36,9 @@ def _optional_int(profile: dict[str, Any], name: str, minimum: int) -> int | Non
         return None
     maximum = HELLO_MAXIMUMS[name]
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise WireError(f"hello field {name!r} must be an integer in [{minimum}, {maximum}], got {value!r:.40}")
+        raise WireError(
+            f"hello field {name!r} must be an integer in [{minimum}, {maximum}], got {value!r:.40}"
+        )
     return value
 
 
@@ -43,8 +46,11 @@ def _labels(profile: dict[str, Any]) -> tuple[int, ...] | None:
     labels = profile.get("labels")
     if labels is None:
         return None
-    if not isinstance(labels, list) or len(labels) > 100_000 or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 10**6 for v in labels):
+    if (
+        not isinstance(labels, list)
+        or len(labels) > 100_000
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 10**6 for v in labels)
+    ):
         raise WireError("hello field 'labels' must be a list of class indices")
     return tuple(sorted(set(labels)))
 
@@ -62,8 +68,9 @@ class DeviceRegistry:
     """Devices by id. Indices (tiers, seeds) are kept in `path` so a resumed server gives every device the
     same index; a device may ask for its own index (its data partition) in the hello."""
 
-    def __init__(self, path: Path | None = None, *, heartbeat_timeout_s: float = 30.0,
-                 allowed: set[str] | None = None) -> None:
+    def __init__(
+        self, path: Path | None = None, *, heartbeat_timeout_s: float = 30.0, allowed: set[str] | None = None
+    ) -> None:
         self.path = path
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.allowed = allowed
@@ -85,8 +92,14 @@ class DeviceRegistry:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".tmp-{os.getpid()}")
-        devices = {d: {"index": r.info.index, "num_samples": r.info.num_samples,
-                       "memory_budget_bytes": r.info.memory_budget_bytes} for d, r in self.records.items()}
+        devices = {
+            d: {
+                "index": r.info.index,
+                "num_samples": r.info.num_samples,
+                "memory_budget_bytes": r.info.memory_budget_bytes,
+            }
+            for d, r in self.records.items()
+        }
         tmp.write_text(json.dumps({"indices": self.indices, "devices": devices}, indent=1, sort_keys=True))
         os.replace(tmp, self.path)
 
@@ -94,8 +107,11 @@ class DeviceRegistry:
         if device_id in self.indices:
             return self.indices[device_id]
         taken = set(self.indices.values())
-        index = wanted if wanted is not None and wanted not in taken else next(
-            i for i in range(len(taken) + 1) if i not in taken)
+        index = (
+            wanted
+            if wanted is not None and wanted not in taken
+            else next(i for i in range(len(taken) + 1) if i not in taken)
+        )
         self.indices[device_id] = index
         self._save()
         return index
@@ -110,22 +126,37 @@ class DeviceRegistry:
         budget = _optional_int(profile, "memory_budget_bytes", 1)
         wanted = _optional_int(profile, "index", 0)
         labels = _labels(profile)
-        info = DeviceInfo(device_id, self._index_for(device_id, wanted), num_samples, profile=profile,
-                          memory_budget_bytes=budget, labels=labels)
+        info = DeviceInfo(
+            device_id,
+            self._index_for(device_id, wanted),
+            num_samples,
+            profile=profile,
+            memory_budget_bytes=budget,
+            labels=labels,
+        )
         previous = self.records.get(device_id)
         self.records[device_id] = DeviceRecord(info, online=True, last_seen=now)
         if previous is None or previous.info.profile != info.profile:
             self._save()
         if previous is None:
             emulating = emulated_class(profile)
-            log.info("registered %s (index %d, %d samples, budget %s bytes%s)", device_id, info.index, num_samples,
-                     budget, f", emulating {emulating}" if emulating else "")
+            log.info(
+                "registered %s (index %d, %d samples, budget %s bytes%s)",
+                device_id,
+                info.index,
+                num_samples,
+                budget,
+                f", emulating {emulating}" if emulating else "",
+            )
         return info
 
     def emulated(self) -> dict[str, dict[str, Any]]:
         """Devices that said in their hello they emulate a slower board (`nestling agent --emulate`)."""
-        return {d: dict(r.info.profile["emulating"]) for d, r in sorted(self.records.items())
-                if r.info.profile and isinstance(r.info.profile.get("emulating"), dict)}
+        return {
+            d: dict(r.info.profile["emulating"])
+            for d, r in sorted(self.records.items())
+            if r.info.profile and isinstance(r.info.profile.get("emulating"), dict)
+        }
 
     def known(self, device_id: str) -> bool:
         return device_id in self.records
@@ -144,7 +175,9 @@ class DeviceRegistry:
 
     def expire(self, now: float) -> list[str]:
         """Devices whose heartbeats stopped without a last will (half-open link): now offline."""
-        stale = [d for d, r in self.records.items() if r.online and now - r.last_seen > self.heartbeat_timeout_s]
+        stale = [
+            d for d, r in self.records.items() if r.online and now - r.last_seen > self.heartbeat_timeout_s
+        ]
         for device_id in stale:
             self.offline(device_id)
         return stale

@@ -72,7 +72,16 @@ def summarise(records: list[dict[str, Any]], config: dict[str, Any], wall_second
         "virtual_seconds": records[-1]["virtual_time"] if records else 0.0,
         "bytes_down": sum(r["bytes_down"] for r in records),
         "bytes_up": sum(r["bytes_up"] for r in records),
-        "submodels": [{"id": s["spec_id"], "name": s["name"], "accuracy": s["accuracy"], "loss": s["loss"],
-                       "parameters": s["parameters"], "macs": s["macs"]} for s in final],
+        "submodels": [
+            {
+                "id": s["spec_id"],
+                "name": s["name"],
+                "accuracy": s["accuracy"],
+                "loss": s["loss"],
+                "parameters": s["parameters"],
+                "macs": s["macs"],
+            }
+            for s in final
+        ],
         "config": config,
     }

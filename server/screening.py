@@ -28,12 +28,16 @@ class RobustPolicy:
 
     screen_updates: bool = True
     max_update_norm: float | None = None  # absolute L2 bound on an update; None: only relative screening
-    update_norm_factor: float = 10.0  # refuse an update this many times larger than the round's others (median)
+    update_norm_factor: float = (
+        10.0  # refuse an update this many times larger than the round's others (median)
+    )
     clip_update_norm: float | None = None  # scale updates down to this L2 norm before aggregation
     aggregation: str = "mean"  # mean (each method's own), trimmed_mean or median (coordinate-wise)
     trim_fraction: float = 0.1  # share trimmed from each end per element by trimmed_mean
     divergence_guard: bool = True  # roll back a round that left the global model non-finite or exploded
-    divergence_factor: float = 1e3  # the global model's largest |weight| may grow at most this much in one round
+    divergence_factor: float = (
+        1e3  # the global model's largest |weight| may grow at most this much in one round
+    )
     quarantine_rounds: int = 3  # rounds a device whose update was rolled back is not selected
 
     def __post_init__(self) -> None:
@@ -65,17 +69,26 @@ class UpdateSize:
 
 def robust_policy(run: RunSection) -> RobustPolicy:
     """The [run] section's robustness settings (simulator and fleet read the same keys)."""
-    return RobustPolicy(screen_updates=run.screen_updates, max_update_norm=run.max_update_norm,
-                        update_norm_factor=run.update_norm_factor, clip_update_norm=run.clip_update_norm,
-                        aggregation=run.aggregation, trim_fraction=run.trim_fraction,
-                        divergence_guard=run.divergence_guard, divergence_factor=run.divergence_factor,
-                        quarantine_rounds=run.quarantine_rounds)
+    return RobustPolicy(
+        screen_updates=run.screen_updates,
+        max_update_norm=run.max_update_norm,
+        update_norm_factor=run.update_norm_factor,
+        clip_update_norm=run.clip_update_norm,
+        aggregation=run.aggregation,
+        trim_fraction=run.trim_fraction,
+        divergence_guard=run.divergence_guard,
+        divergence_factor=run.divergence_factor,
+        quarantine_rounds=run.quarantine_rounds,
+    )
 
 
 def update_size(task: Task, result: Result) -> UpdateSize:
     """L2 norm (float64) of result − task over the floating tensors the result carries; inf if non-finite."""
-    pairs = [(value.detach(), task.weights[key].detach()) for key, value in result.weights.items()
-             if value.is_floating_point() and key in task.weights]
+    pairs = [
+        (value.detach(), task.weights[key].detach())
+        for key, value in result.weights.items()
+        if value.is_floating_point() and key in task.weights
+    ]
     if not pairs:
         return UpdateSize(0.0, 0)
     trained, sent = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -104,8 +117,10 @@ def outliers(sizes: list[UpdateSize], policy: RobustPolicy) -> dict[int, str]:
             continue
         typical = median(others)
         if size.rms > policy.update_norm_factor * max(typical, 1e-12):
-            refused[i] = (f"update rms {size.rms:.3g} over {policy.update_norm_factor:g}x "
-                          f"the round's median {typical:.3g}")
+            refused[i] = (
+                f"update rms {size.rms:.3g} over {policy.update_norm_factor:g}x "
+                f"the round's median {typical:.3g}"
+            )
     return refused
 
 
@@ -127,6 +142,8 @@ def clip_update(task: Task, result: Result, norm: float, bound: float) -> Result
 
 def largest_magnitude(state: dict[str, torch.Tensor]) -> float:
     """max |w| over the floating tensors of a model state (inf when any value is non-finite)."""
-    peaks = [torch.amax(value.abs()) for value in state.values() if value.is_floating_point() and value.numel()]
+    peaks = [
+        torch.amax(value.abs()) for value in state.values() if value.is_floating_point() and value.numel()
+    ]
     worst = float(torch.stack(peaks).max()) if peaks else 0.0  # NaN propagates through amax
     return worst if math.isfinite(worst) else math.inf

@@ -30,9 +30,17 @@ class FleetData:
         return ClientData(self.bundle.train.x[idx], self.bundle.train.y[idx], self.augment)
 
 
-def load_fleet_data(dataset: str, root: str | None, seed: int, partition: str, clients: int,
-                    partition_options: dict[str, Any], limit_train: int | None = None, limit_test: int | None = None,
-                    augment: bool | None = None) -> FleetData:
+def load_fleet_data(
+    dataset: str,
+    root: str | None,
+    seed: int,
+    partition: str,
+    clients: int,
+    partition_options: dict[str, Any],
+    limit_train: int | None = None,
+    limit_test: int | None = None,
+    augment: bool | None = None,
+) -> FleetData:
     """Deterministic in its arguments, so every worker process rebuilds exactly the same partition."""
     opts: dict[str, Any] = {}
     if limit_train is not None:

@@ -25,8 +25,19 @@ from nestling.models.layers import Scaler, SlimBatchNorm2d, SlimConv2d, SlimLine
 from nestling.models.net import ScalableNet
 
 # Layers grouping knows how to widen, or that act per channel (a family declares its own forwards groupable).
-_GROUPABLE_LAYERS = (SlimConv2d, SlimBatchNorm2d, SlimLinear, Scaler, nn.ReLU, nn.Sigmoid, nn.Upsample, nn.Identity,
-                     nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_GROUPABLE_LAYERS = (
+    SlimConv2d,
+    SlimBatchNorm2d,
+    SlimLinear,
+    Scaler,
+    nn.ReLU,
+    nn.Sigmoid,
+    nn.Upsample,
+    nn.Identity,
+    nn.Sequential,
+    nn.ModuleList,
+    nn.ModuleDict,
+)
 
 
 class NotGroupable(ValueError):
@@ -113,10 +124,16 @@ class GroupedClients:
 
         if isinstance(module, SlimConv2d):
             pair = tuple[int, int]
-            conv = nn.Conv2d(module.in_channels * self.k, module.out_channels * self.k,
-                             cast(pair, module.kernel_size), cast(pair, module.stride),
-                             cast("str | pair", module.padding), cast(pair, module.dilation), module.groups * self.k,
-                             bias=module.bias is not None)
+            conv = nn.Conv2d(
+                module.in_channels * self.k,
+                module.out_channels * self.k,
+                cast(pair, module.kernel_size),
+                cast(pair, module.stride),
+                cast("str | pair", module.padding),
+                cast(pair, module.dilation),
+                module.groups * self.k,
+                bias=module.bias is not None,
+            )
             with torch.no_grad():
                 conv.weight.copy_(stacked("weight"))
                 if conv.bias is not None:
@@ -126,11 +143,17 @@ class GroupedClients:
             return conv
         if isinstance(module, SlimBatchNorm2d):
             track = module.track_running_stats
-            norm = nn.BatchNorm2d(module.num_features * self.k, module.eps, module.momentum, module.affine, track)
+            norm = nn.BatchNorm2d(
+                module.num_features * self.k, module.eps, module.momentum, module.affine, track
+            )
             with torch.no_grad():
                 for key in ("weight", "bias", "running_mean", "running_var") if track else ("weight", "bias"):
                     getattr(norm, key).copy_(stacked(key))
-            self._map(prefix, ("weight", "bias", "running_mean", "running_var") if track else ("weight", "bias"), "rows")
+            self._map(
+                prefix,
+                ("weight", "bias", "running_mean", "running_var") if track else ("weight", "bias"),
+                "rows",
+            )
             if track:
                 counts = {int(s[prefix + "num_batches_tracked"]) for s in states}
                 if len(counts) != 1:

@@ -21,7 +21,11 @@ class PackedState:
 
     def unpack(self) -> dict[str, torch.Tensor]:
         """Tensors viewing one writable copy of the buffer, in the original key order."""
-        buffer = torch.frombuffer(bytearray(self.data), dtype=torch.uint8) if self.data else torch.empty(0, dtype=torch.uint8)
+        buffer = (
+            torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+            if self.data
+            else torch.empty(0, dtype=torch.uint8)
+        )
         state: dict[str, torch.Tensor] = {}
         offset = 0
         for key, dtype, shape in self.layout:

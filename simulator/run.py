@@ -44,9 +44,17 @@ def partition_options(cfg: SimConfig) -> dict[str, Any]:
 
 
 def fleet_args(cfg: SimConfig) -> dict[str, Any]:
-    return dict(dataset=cfg.data.dataset, root=cfg.data.root, seed=cfg.run.seed, partition=cfg.data.partition,
-                clients=cfg.data.clients, partition_options=partition_options(cfg), limit_train=cfg.data.limit_train,
-                limit_test=cfg.data.limit_test, augment=cfg.data.augment)
+    return dict(
+        dataset=cfg.data.dataset,
+        root=cfg.data.root,
+        seed=cfg.run.seed,
+        partition=cfg.data.partition,
+        clients=cfg.data.clients,
+        partition_options=partition_options(cfg),
+        limit_train=cfg.data.limit_train,
+        limit_test=cfg.data.limit_test,
+        augment=cfg.data.augment,
+    )
 
 
 def resolve_workers(cfg: SimConfig) -> int:
@@ -55,8 +63,14 @@ def resolve_workers(cfg: SimConfig) -> int:
     return cfg.run.workers or (os.cpu_count() or 1)
 
 
-def build_backend(cfg: SimConfig, data_for: DataProvider, factory: Callable[..., DataProvider],
-                  factory_args: dict[str, Any], sizes: Callable[[str], int], workers: int) -> Backend:
+def build_backend(
+    cfg: SimConfig,
+    data_for: DataProvider,
+    factory: Callable[..., DataProvider],
+    factory_args: dict[str, Any],
+    sizes: Callable[[str], int],
+    workers: int,
+) -> Backend:
     """[run] backend: auto (a pool when there is more than one worker), inprocess, pool or ray."""
     kind = cfg.run.backend
     if kind == "auto":
@@ -75,12 +89,15 @@ def make_devices(fleet: FleetData, count: int) -> list[DeviceInfo]:
     """`count` devices; device i holds data partition i mod partitions (labels computed once per partition)."""
     labels = fleet.bundle.train.y
     per_part = [(len(part), tuple(sorted(set(labels[part].tolist())))) for part in fleet.parts]
-    return [DeviceInfo(device_id(i), i, per_part[i % len(per_part)][0], labels=per_part[i % len(per_part)][1])
-            for i in range(count)]
+    return [
+        DeviceInfo(device_id(i), i, per_part[i % len(per_part)][0], labels=per_part[i % len(per_part)][1])
+        for i in range(count)
+    ]
 
 
-def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
-                   on_round: Any = None, tamper: Any = None) -> dict[str, Any]:
+def run_simulation(
+    cfg: SimConfig, out_dir: Path, *, resume: bool = False, on_round: Any = None, tamper: Any = None
+) -> dict[str, Any]:
     """Run (or resume) a simulation; writes metrics.jsonl, checkpoints, summary.json and accuracy.png.
     `tamper(task, result) -> result` stands in for bad boards (benchmarks/robustness.py)."""
     started = time.perf_counter()
@@ -91,33 +108,59 @@ def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
     bundle = fleet.bundle
     channels, size, _ = bundle.input_shape
     ctx = StrategyContext(
-        arch=cfg.model.arch, num_classes=bundle.num_classes, in_channels=channels, image_size=size,
-        num_clients=count, total_rounds=cfg.run.rounds, seed=cfg.run.seed,
+        arch=cfg.model.arch,
+        num_classes=bundle.num_classes,
+        in_channels=channels,
+        image_size=size,
+        num_clients=count,
+        total_rounds=cfg.run.rounds,
+        seed=cfg.run.seed,
         schedule=LrSchedule(cfg.train.schedule, cfg.train.lr, cfg.train.gamma, tuple(cfg.train.milestones)),
-        local=cfg.train.local_hparams(), options=dict(cfg.method.options), model_extra=dict(cfg.model.extra),
-        dataset=bundle.name)
+        local=cfg.train.local_hparams(),
+        options=dict(cfg.method.options),
+        model_extra=dict(cfg.model.extra),
+        dataset=bundle.name,
+    )
     strategy = create_strategy(cfg.method.name, ctx)
     devices = make_devices(fleet, count)
     partitions = len(fleet.parts)
     factory_args = {"partitions": partitions, **fleet_args(cfg)}
-    backend = build_backend(cfg, lambda device: fleet.client(device_id(device_index(device) % partitions)),
-                            cycled_provider, factory_args,
-                            lambda device: devices[device_index(device)].num_samples, resolve_workers(cfg))
+    backend = build_backend(
+        cfg,
+        lambda device: fleet.client(device_id(device_index(device) % partitions)),
+        cycled_provider,
+        factory_args,
+        lambda device: devices[device_index(device)].num_samples,
+        resolve_workers(cfg),
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     replay = None
     if traces:
         replay = Replay(str(cfg.run.traces), traces, devices, backend, bundle.input_shape, out_dir)
     transport = replay.transport if replay else InProcessTransport(devices, backend, tamper=tamper)
-    evaluator = Evaluator(bundle.test.x, bundle.test.y, batch_size=cfg.run.eval_batch, device=cfg.run.device,
-                          calibration=bundle.train.x)
-    policy = RoundPolicy(rounds=cfg.run.rounds, fraction=cfg.train.fraction, over_selection=cfg.run.over_selection,
-                         quorum=cfg.run.quorum, deadline_s=cfg.run.deadline_s, eval_every=cfg.run.eval_every,
-                         checkpoint_every=cfg.run.checkpoint_every, seed=cfg.run.seed,
-                         robust=robust_policy(cfg.run))
+    evaluator = Evaluator(
+        bundle.test.x,
+        bundle.test.y,
+        batch_size=cfg.run.eval_batch,
+        device=cfg.run.device,
+        calibration=bundle.train.x,
+    )
+    policy = RoundPolicy(
+        rounds=cfg.run.rounds,
+        fraction=cfg.train.fraction,
+        over_selection=cfg.run.over_selection,
+        quorum=cfg.run.quorum,
+        deadline_s=cfg.run.deadline_s,
+        eval_every=cfg.run.eval_every,
+        checkpoint_every=cfg.run.checkpoint_every,
+        seed=cfg.run.seed,
+        robust=robust_policy(cfg.run),
+    )
     clock = replay.clock if replay else WallClock()
     hook = replay.after_round(on_round) if replay else on_round
-    coordinator = Coordinator(strategy, transport, clock, evaluator, policy, out_dir, hook,
-                              side=DeviceStoreSide(backend.stores))
+    coordinator = Coordinator(
+        strategy, transport, clock, evaluator, policy, out_dir, hook, side=DeviceStoreSide(backend.stores)
+    )
     if resume:
         coordinator.resume()
     elif (out_dir / "metrics.jsonl").exists():
@@ -134,7 +177,9 @@ def run_simulation(cfg: SimConfig, out_dir: Path, *, resume: bool = False,
     title = f"{cfg.method.name} · {cfg.model.arch} · {cfg.data.dataset}"
     if replay:
         summary["replay"] = replay.summary()
-        summary["replay"]["report"] = str(write_replay_report(out_dir, title, summary["replay"]["device_classes"]))
+        summary["replay"]["report"] = str(
+            write_replay_report(out_dir, title, summary["replay"]["device_classes"])
+        )
     summary["quarantined"] = coordinator.quarantine_log
     summary["aggregate_seconds"] = coordinator.aggregate_seconds
     write_summary(out_dir, summary)

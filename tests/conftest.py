@@ -20,8 +20,15 @@ def make_ctx() -> Callable[..., Any]:
     from nestling.server.strategies import StrategyContext
 
     def factory(**overrides: Any) -> StrategyContext:
-        values: dict[str, Any] = {"arch": "tinycnn", "num_classes": 4, "in_channels": 3, "image_size": 8,
-                                  "num_clients": 8, "total_rounds": 4, "seed": 0}
+        values: dict[str, Any] = {
+            "arch": "tinycnn",
+            "num_classes": 4,
+            "in_channels": 3,
+            "image_size": 8,
+            "num_clients": 8,
+            "total_rounds": 4,
+            "seed": 0,
+        }
         values.update(overrides)
         return StrategyContext(**values)
 
@@ -42,7 +49,13 @@ def fake_result() -> Callable[..., Result]:
                 weights[key] = torch.randn(value.shape, generator=generator, dtype=value.dtype)
             else:
                 weights[key] = value.clone()
-        return Result(round=task.round, device_id=task.device_id, task_id=task.task_id, spec_id=task.spec_id,
-                      weights=weights, num_samples=num_samples)
+        return Result(
+            round=task.round,
+            device_id=task.device_id,
+            task_id=task.task_id,
+            spec_id=task.spec_id,
+            weights=weights,
+            num_samples=num_samples,
+        )
 
     return factory

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not os.environ.get("CI"), reason="checks the CI machine's setup (CI is not set)")
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("CI"), reason="checks the CI machine's setup (CI is not set)"
+)
 
 
 def test_the_ray_backend_is_installed() -> None:

@@ -42,8 +42,22 @@ def test_pyproject_lists_every_package_under_the_namespace() -> None:
 @pytest.mark.timeout(300)
 def test_a_fresh_wheel_installs_nothing_at_top_level_but_nestling(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("nestling-*.whl")
@@ -64,6 +78,13 @@ def test_the_old_top_level_names_do_not_import(tmp_path: Path) -> None:
         " nestling.export.bundle, nestling.simulator.run;"
         "sys.exit(f'importable at top level: {old}' if old else 0)"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
     assert done.returncode == 0, done.stderr or done.stdout

@@ -22,7 +22,10 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _tool(module: str) -> list[str]:
-    if shutil.which(module) is None and _run([sys.executable, "-m", module, "--version"], REPO).returncode != 0:
+    if (
+        shutil.which(module) is None
+        and _run([sys.executable, "-m", module, "--version"], REPO).returncode != 0
+    ):
         pytest.fail(f"{module} is not installed: run `bash scripts/setup.sh --dev`")
     return [sys.executable, "-m", module]
 
@@ -51,6 +54,16 @@ def _installed_layout(root: Path) -> Path:
 @pytest.mark.timeout(900)
 def test_mypy_passes_on_every_package(tmp_path: Path) -> None:
     layout = _installed_layout(tmp_path / "layout")
-    done = _run([*_tool("mypy"), "--config-file", str(REPO / "pyproject.toml"), "--cache-dir",
-                 str(tmp_path / "cache"), "-p", "nestling"], layout)
+    done = _run(
+        [
+            *_tool("mypy"),
+            "--config-file",
+            str(REPO / "pyproject.toml"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "-p",
+            "nestling",
+        ],
+        layout,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

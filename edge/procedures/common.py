@@ -15,11 +15,17 @@ from nestling.edge.procedures.registry import ClientData
 
 def make_optimizer(params: list[nn.Parameter], hp: dict[str, Any]) -> torch.optim.Optimizer:
     """SGD with the task's lr / momentum / weight decay (every method here uses SGD)."""
-    return torch.optim.SGD([p for p in params if p.requires_grad], lr=float(hp.get("lr", 0.1)),
-                           momentum=float(hp.get("momentum", 0.0)), weight_decay=float(hp.get("weight_decay", 0.0)))
+    return torch.optim.SGD(
+        [p for p in params if p.requires_grad],
+        lr=float(hp.get("lr", 0.1)),
+        momentum=float(hp.get("momentum", 0.0)),
+        weight_decay=float(hp.get("weight_decay", 0.0)),
+    )
 
 
-def batches(data: ClientData, hp: dict[str, Any], generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    data: ClientData, hp: dict[str, Any], generator: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Shuffled mini-batches for `local_epochs` epochs, or exactly `local_steps` steps when given."""
     n = len(data)
     batch = max(1, min(int(hp.get("batch_size", 32)), n))
@@ -29,7 +35,7 @@ def batches(data: ClientData, hp: dict[str, Any], generator: torch.Generator) ->
     while done < total:
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, batch):
-            idx = order[start:start + batch]
+            idx = order[start : start + batch]
             if len(idx) < 2 and n >= 2:  # a single-sample batch breaks BatchNorm's batch statistics
                 continue
             x = data.x[idx]
@@ -52,7 +58,9 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor, hp: dict[str, Any]) -> 
     return F.cross_entropy(logits, y)
 
 
-def step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params: list[nn.Parameter], hp: dict[str, Any]) -> None:
+def step(
+    optimizer: torch.optim.Optimizer, loss: torch.Tensor, params: list[nn.Parameter], hp: dict[str, Any]
+) -> None:
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     clip = hp.get("grad_clip")

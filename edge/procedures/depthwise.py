@@ -58,8 +58,9 @@ def skip_link(z: torch.Tensor, stride: int, channels: int) -> torch.Tensor:
 class StageRunner:
     """The forward pass and trainable set of each stage of one plan on one network."""
 
-    def __init__(self, net: ScalableNet, plan: StagePlan, *, aux_heads: bool = False,
-                 stem_every_stage: bool = False) -> None:
+    def __init__(
+        self, net: ScalableNet, plan: StagePlan, *, aux_heads: bool = False, stem_every_stage: bool = False
+    ) -> None:
         head = net.head
         if head is None or getattr(head.fc, "in_features", None) != net.infos[-1].global_out:
             raise ConfigError("fedepth trains the full-width model with its final head")
@@ -86,7 +87,7 @@ class StageRunner:
 
     def link_stride(self, j: int) -> int:
         stage = self.plan.stages[j]
-        after = self.net.infos[(stage[-1] + 1 if stage else 0):]
+        after = self.net.infos[(stage[-1] + 1 if stage else 0) :]
         return math.prod(info.stride for info in after)
 
     def forward(self, x: torch.Tensor, j: int) -> torch.Tensor:
@@ -119,7 +120,9 @@ class StageRunner:
                 module.eval()
 
 
-def mutual_loss(logits: list[torch.Tensor], y: torch.Tensor, hp: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def mutual_loss(
+    logits: list[torch.Tensor], y: torch.Tensor, hp: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_m [CE_m + λ/(M−1) Σ_{m'≠m} KL(p^{m'}.detach() ‖ p^m)] (§3.a.7, batch-mean KL); also model 1's CE."""
     weight = float(hp.get("kd_weight", 1.0))
     first = cross_entropy(logits[0], y, hp)
@@ -129,8 +132,11 @@ def mutual_loss(logits: list[torch.Tensor], y: torch.Tensor, hp: dict[str, Any])
             total = total + cross_entropy(own, y, hp)
         if len(logits) > 1:
             log_p = F.log_softmax(own, dim=1)
-            kl = sum(F.kl_div(log_p, F.softmax(peer.detach(), dim=1), reduction="batchmean")
-                     for k, peer in enumerate(logits) if k != m)
+            kl = sum(
+                F.kl_div(log_p, F.softmax(peer.detach(), dim=1), reduction="batchmean")
+                for k, peer in enumerate(logits)
+                if k != m
+            )
             total = total + weight / (len(logits) - 1) * kl
     return total, first
 
@@ -147,11 +153,24 @@ def stage_hparams(hp: dict[str, Any], data: ClientData, stages: int) -> dict[str
     return {**hp, "local_steps": max(1, total // stages)}
 
 
-def run_stages(models: list[ScalableNet], plan: StagePlan, data: ClientData, hp: dict[str, Any],
-               generator: torch.Generator, observe: StepObserver | None = None) -> list[float]:
+def run_stages(
+    models: list[ScalableNet],
+    plan: StagePlan,
+    data: ClientData,
+    hp: dict[str, Any],
+    generator: torch.Generator,
+    observe: StepObserver | None = None,
+) -> list[float]:
     """Train every stage in order on all models together; returns model 1's loss per step."""
-    runners = [StageRunner(net, plan, aux_heads=hp.get("variant") == "aux",
-                           stem_every_stage=bool(hp.get("stem_every_stage", False))) for net in models]
+    runners = [
+        StageRunner(
+            net,
+            plan,
+            aux_heads=hp.get("variant") == "aux",
+            stem_every_stage=bool(hp.get("stem_every_stage", False)),
+        )
+        for net in models
+    ]
     learnable = {id(p): p.requires_grad for net in models for p in net.parameters()}
     per_stage = stage_hparams(hp, data, plan.num_stages)
     carried: dict[int, dict[str, Any]] = {}
@@ -174,7 +193,9 @@ def run_stages(models: list[ScalableNet], plan: StagePlan, data: ClientData, hp:
                 if id(p) in carried:  # the head continues from the previous stage, momentum included
                     optimizer.state[p] = carried[id(p)]
             for x, y in batches(data, per_stage, generator):
-                meter = SavedTensorMeter([t for net in models for t in model_tensors(net)]) if observe else None
+                meter = (
+                    SavedTensorMeter([t for net in models for t in model_tensors(net)]) if observe else None
+                )
                 with meter if meter is not None else contextlib.nullcontext():
                     loss, first = mutual_loss([r.forward(x, j) for r in runners], y, hp)
                 step(optimizer, loss, params, hp)
@@ -191,15 +212,26 @@ def run_stages(models: list[ScalableNet], plan: StagePlan, data: ClientData, hp:
     return losses
 
 
-def measure_stage_peaks(models: list[ScalableNet], plan: StagePlan, data: ClientData, hp: dict[str, Any],
-                        generator: torch.Generator) -> list[int]:
+def measure_stage_peaks(
+    models: list[ScalableNet],
+    plan: StagePlan,
+    data: ClientData,
+    hp: dict[str, Any],
+    generator: torch.Generator,
+) -> list[int]:
     """Train as `run_stages` does and return each stage's measured peak: a step's saved activations plus the
     weights and optimizer state of the trainable set and every gradient that exists in the models."""
     peaks = [0] * plan.num_stages
 
-    def observe(j: int, meter: SavedTensorMeter, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-        held = (meter.total_bytes + tensor_bytes(params) + optimizer_bytes(optimizer)
-                + sum(gradient_bytes(net.parameters()) for net in models))
+    def observe(
+        j: int, meter: SavedTensorMeter, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]
+    ) -> None:
+        held = (
+            meter.total_bytes
+            + tensor_bytes(params)
+            + optimizer_bytes(optimizer)
+            + sum(gradient_bytes(net.parameters()) for net in models)
+        )
         peaks[j] = max(peaks[j], held)
 
     run_stages(models, plan, data, hp, generator, observe)
@@ -230,7 +262,9 @@ def load_auxiliaries(model: ScalableNet, store: DeviceStore, count: int) -> list
             continue
         if {k: v.shape for k, v in saved.items()} != shapes:
             # Kept from another model (a new run, a restored state file): it cannot distil this one.
-            log.warning("auxiliary model %d in the device store does not fit the task's model: starting afresh", m)
+            log.warning(
+                "auxiliary model %d in the device store does not fit the task's model: starting afresh", m
+            )
             peers.append(fresh_auxiliary(model))
             continue
         peer = copy.deepcopy(model)
@@ -240,8 +274,9 @@ def load_auxiliaries(model: ScalableNet, store: DeviceStore, count: int) -> list
 
 
 @register("fedepth")
-def train_fedepth(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
-                  generator: torch.Generator) -> LocalOutcome:
+def train_fedepth(
+    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+) -> LocalOutcome:
     plan = StagePlan.from_dict(hp["plan"])
     count = int(hp.get("models", 1))
     if count < 1:
@@ -253,5 +288,11 @@ def train_fedepth(model: ScalableNet, data: ClientData, hp: dict[str, Any], stor
     untouched: set[str] = set()
     if not hp.get("aggregate_bypassed", True):
         untouched = {f"blocks.{b}.{k}" for b in plan.bypass for k in model.blocks[b].state_dict()}
-    return LocalOutcome(model, len(data), losses, len(losses), untouched=untouched,
-                        extra={"stages": plan.num_stages, "bypassed": len(plan.bypass), "models": count})
+    return LocalOutcome(
+        model,
+        len(data),
+        losses,
+        len(losses),
+        untouched=untouched,
+        extra={"stages": plan.num_stages, "bypassed": len(plan.bypass), "models": count},
+    )

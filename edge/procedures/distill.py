@@ -20,7 +20,9 @@ def depthfl_kd_weight(round_index: int, ramp_rounds: int = 300) -> float:
     return math.exp(-5.0 * (1.0 - t) ** 2)
 
 
-def depthfl_loss(outputs: list[torch.Tensor], y: torch.Tensor, kd_weight: float, use_kd: bool = True) -> torch.Tensor:
+def depthfl_loss(
+    outputs: list[torch.Tensor], y: torch.Tensor, kd_weight: float, use_kd: bool = True
+) -> torch.Tensor:
     """Σ_i CE(z_i, y) + (w/(d−1)) Σ_{j≠i} KL(softmax(z_j).detach() ‖ softmax(z_i)), T = 1, batch-mean KL."""
     d = len(outputs)
     loss = cast(torch.Tensor, sum(F.cross_entropy(z, y) for z in outputs))
@@ -42,8 +44,9 @@ def scalefl_exit_weights(num_outputs: int) -> list[float]:
     return [(i + 1) / total for i in range(num_outputs)]
 
 
-def scalefl_loss(outputs: list[torch.Tensor], y: torch.Tensor, *, kd_active: bool, gamma: float,
-                 temperature: float) -> torch.Tensor:
+def scalefl_loss(
+    outputs: list[torch.Tensor], y: torch.Tensor, *, kd_active: bool, gamma: float, temperature: float
+) -> torch.Tensor:
     """Code form of ScaleFL's loss: teacher = last exit, not detached, KLDiv 'mean' reduction."""
     weights = scalefl_exit_weights(len(outputs))
     teacher = outputs[-1]
@@ -54,16 +57,19 @@ def scalefl_loss(outputs: list[torch.Tensor], y: torch.Tensor, *, kd_active: boo
             t = temperature
             # KLDivLoss 'mean' of the reference: over batch *and* classes, written out because torch's
             # 'mean' is deprecated and will turn into 'batchmean'.
-            kl = F.kl_div(F.log_softmax(student / t, dim=1), F.softmax(teacher / t, dim=1),
-                          reduction="sum") / student.numel()
+            kl = (
+                F.kl_div(F.log_softmax(student / t, dim=1), F.softmax(teacher / t, dim=1), reduction="sum")
+                / student.numel()
+            )
             term = term + gamma * t * t * kl
         loss = loss + w * term
     return loss
 
 
 @register("depthfl-kd")
-def train_depthfl(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
-                  generator: torch.Generator) -> LocalOutcome:
+def train_depthfl(
+    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+) -> LocalOutcome:
     params = list(model.parameters())
     optimizer = make_optimizer(params, hp)
     weight = depthfl_kd_weight(int(hp.get("round", 0)), int(hp.get("kd_ramp_rounds", 300)))
@@ -84,20 +90,27 @@ def train_depthfl(model: ScalableNet, data: ClientData, hp: dict[str, Any], stor
 
 
 @register("scalefl-sd")
-def train_scalefl(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
-                  generator: torch.Generator) -> LocalOutcome:
+def train_scalefl(
+    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+) -> LocalOutcome:
     params = list(model.parameters())
     optimizer = make_optimizer(params, hp)
-    kd_active = int(hp.get("round", 0)) > float(hp.get("kd_start_fraction", 0.25)) * int(hp.get("total_rounds", 1))
+    kd_active = int(hp.get("round", 0)) > float(hp.get("kd_start_fraction", 0.25)) * int(
+        hp.get("total_rounds", 1)
+    )
     gamma, temperature = float(hp.get("kd_gamma", 0.0)), float(hp.get("kd_temperature", 3.0))
     model.train()
     losses: list[float] = []
     touched: set[str] = set()
     names = {id(p): n for n, p in model.named_parameters()}
     for x, y in batches(data, hp, generator):
-        loss = scalefl_loss(outputs_list(model(x)), y, kd_active=kd_active, gamma=gamma, temperature=temperature)
+        loss = scalefl_loss(
+            outputs_list(model(x)), y, kd_active=kd_active, gamma=gamma, temperature=temperature
+        )
         step(optimizer, loss, params, hp)
         touched.update(names[id(p)] for p in params if p.grad is not None)
         losses.append(float(loss.detach()))
     untouched = {n for n, _ in model.named_parameters()} - touched
-    return LocalOutcome(model, len(data), losses, len(losses), untouched=untouched, extra={"kd_active": kd_active})
+    return LocalOutcome(
+        model, len(data), losses, len(losses), untouched=untouched, extra={"kd_active": kd_active}
+    )

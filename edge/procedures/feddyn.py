@@ -31,7 +31,11 @@ class FedDynTerm:
     def penalty(self) -> torch.Tensor:
         total = next(iter(self.params.values())).new_zeros(())
         for name, p in self.params.items():
-            total = total - torch.sum(p * self.h[name]) + 0.5 * self.alpha * torch.sum((p - self.start[name]) ** 2)
+            total = (
+                total
+                - torch.sum(p * self.h[name])
+                + 0.5 * self.alpha * torch.sum((p - self.start[name]) ** 2)
+            )
         return total
 
     @torch.no_grad()

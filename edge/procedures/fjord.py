@@ -22,8 +22,9 @@ def widths_up_to(p_max: float, levels: list[float]) -> list[float]:
 
 
 @register("fjord")
-def train_fjord(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
-                generator: torch.Generator) -> LocalOutcome:
+def train_fjord(
+    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+) -> LocalOutcome:
     allowed = widths_up_to(float(hp["p_max"]), [float(w) for w in hp["widths"]])
     params = list(model.parameters())
     optimizer = make_optimizer(params, hp)

@@ -12,8 +12,9 @@ from nestling.models.net import ScalableNet
 
 
 @register("sgd")
-def train_sgd(model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore,
-              generator: torch.Generator) -> LocalOutcome:
+def train_sgd(
+    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+) -> LocalOutcome:
     params = list(model.parameters())
     optimizer = make_optimizer(params, hp)
     model.train()

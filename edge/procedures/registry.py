@@ -57,7 +57,9 @@ def get_procedure(name: str) -> Procedure:
     try:
         return _PROCEDURES[name]
     except KeyError:
-        raise ConfigError(f"unknown local procedure '{name}' (known: {', '.join(sorted(_PROCEDURES))})") from None
+        raise ConfigError(
+            f"unknown local procedure '{name}' (known: {', '.join(sorted(_PROCEDURES))})"
+        ) from None
 
 
 def known_procedures() -> list[str]:

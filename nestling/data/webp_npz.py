@@ -25,8 +25,6 @@ def default_cache_dir() -> Path:
     return Path(base) / "nestling"
 
 
-
-
 def decode_webp_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Decode every image of a WebP-packed split to uint8 (N,H,W,3); one Pillow call per image."""
     try:

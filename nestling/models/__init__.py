@@ -7,6 +7,16 @@ from nestling.models.net import BlockInfo, ScalableNet
 from nestling.models.zoo import block_infos, build, known_models
 
 __all__ = [
-    "BlockInfo", "ModelConfig", "ModelFamily", "ScalableNet", "block_infos", "build", "family_of",
-    "kept_channels", "known_models", "register_family", "registered_families", "set_active_width",
+    "BlockInfo",
+    "ModelConfig",
+    "ModelFamily",
+    "ScalableNet",
+    "block_infos",
+    "build",
+    "family_of",
+    "kept_channels",
+    "known_models",
+    "register_family",
+    "registered_families",
+    "set_active_width",
 ]

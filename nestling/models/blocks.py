@@ -21,14 +21,23 @@ def _step(initial: float, learnable: bool) -> nn.Parameter:
 class BasicBlock(nn.Module):
     """Post-activation block: y = ReLU(s·BN2(conv2(ReLU(BN1(conv1 x)))) + P(x)); option-B projection."""
 
-    def __init__(self, ctx: BuildContext, global_in: int, global_out: int, stride: int, *, skipped: bool,
-                 hidden_ratio: float | None = None) -> None:
+    def __init__(
+        self,
+        ctx: BuildContext,
+        global_in: int,
+        global_out: int,
+        stride: int,
+        *,
+        skipped: bool,
+        hidden_ratio: float | None = None,
+    ) -> None:
         super().__init__()
         self.skipped = skipped
         self.has_projection = stride != 1 or global_in != global_out
         if self.has_projection:
-            self.shortcut = nn.Sequential(ctx.conv(global_in, global_out, 1, stride=stride), ctx.scaler(),
-                                          ctx.norm(global_out))
+            self.shortcut = nn.Sequential(
+                ctx.conv(global_in, global_out, 1, stride=stride), ctx.scaler(), ctx.norm(global_out)
+            )
         if skipped:
             return
         self.conv1 = ctx.conv(global_in, global_out, 3, stride=stride, out_ratio=hidden_ratio)
@@ -58,8 +67,16 @@ class PreActBlock(nn.Module):
     Identity shortcuts add x, not h (METHODS §1.5 DECISION, AMBIG-9); projections act on h.
     """
 
-    def __init__(self, ctx: BuildContext, global_in: int, global_out: int, stride: int, *, skipped: bool,
-                 hidden_ratio: float | None = None) -> None:
+    def __init__(
+        self,
+        ctx: BuildContext,
+        global_in: int,
+        global_out: int,
+        stride: int,
+        *,
+        skipped: bool,
+        hidden_ratio: float | None = None,
+    ) -> None:
         super().__init__()
         self.skipped = skipped
         self.has_projection = stride != 1 or global_in != global_out
@@ -99,8 +116,16 @@ class EncoderBlock(nn.Module):
     separate projections so that a prefix of each stays a valid set of heads.
     """
 
-    def __init__(self, ctx: BuildContext, dim: int, heads: int, mlp_dim: int, *, skipped: bool,
-                 hidden_ratio: float | None = None) -> None:
+    def __init__(
+        self,
+        ctx: BuildContext,
+        dim: int,
+        heads: int,
+        mlp_dim: int,
+        *,
+        skipped: bool,
+        hidden_ratio: float | None = None,
+    ) -> None:
         super().__init__()
         self.skipped = skipped
         if skipped:
@@ -125,7 +150,9 @@ class EncoderBlock(nn.Module):
             return x
         batch, tokens, _ = x.shape
         h = self.ln1(x)
-        q, k, v = (t(h).view(batch, tokens, -1, self.head_dim).transpose(1, 2) for t in (self.q, self.k, self.v))
+        q, k, v = (
+            t(h).view(batch, tokens, -1, self.head_dim).transpose(1, 2) for t in (self.q, self.k, self.v)
+        )
         attn = F.scaled_dot_product_attention(q, k, v)
         attn = attn.transpose(1, 2).reshape(batch, tokens, -1)
         x = x + self.step_sa * self.proj(attn)

@@ -36,11 +36,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.norm_stats not in NORM_STATS:
-            raise ConfigError(f"[model] unknown norm_stats '{self.norm_stats}' (known: {', '.join(NORM_STATS)})")
+            raise ConfigError(
+                f"[model] unknown norm_stats '{self.norm_stats}' (known: {', '.join(NORM_STATS)})"
+            )
         if self.scaler not in SCALER_MODES:
             raise ConfigError(f"[model] unknown scaler '{self.scaler}' (known: {', '.join(SCALER_MODES)})")
         if self.exit_kind not in EXIT_KINDS:
-            raise ConfigError(f"[model] unknown exit_kind '{self.exit_kind}' (known: {', '.join(EXIT_KINDS)})")
+            raise ConfigError(
+                f"[model] unknown exit_kind '{self.exit_kind}' (known: {', '.join(EXIT_KINDS)})"
+            )
         if self.rounding not in ("ceil", "floor"):
             raise ConfigError(f"[model] rounding must be 'ceil' or 'floor', got '{self.rounding}'")
         if self.num_classes < 1 or self.in_channels < 1 or self.image_size < 4:

@@ -13,7 +13,9 @@ class PoolClassifier(nn.Module):
     """[BN [→ ReLU] →] global average pool → linear. Post-activation ResNets skip the norm; FeDepth's
     auxiliary heads (METHODS §3.a.8) skip the ReLU."""
 
-    def __init__(self, ctx: BuildContext, global_channels: int, *, with_norm: bool, relu: bool = True) -> None:
+    def __init__(
+        self, ctx: BuildContext, global_channels: int, *, with_norm: bool, relu: bool = True
+    ) -> None:
         super().__init__()
         self.norm = ctx.norm(global_channels) if with_norm else None
         self.relu = relu
@@ -33,7 +35,12 @@ class ScaleFLExit(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         for _ in range(3):
-            layers += [ctx.conv(global_channels, global_channels, 3), ctx.scaler(), ctx.norm(global_channels), nn.ReLU()]
+            layers += [
+                ctx.conv(global_channels, global_channels, 3),
+                ctx.scaler(),
+                ctx.norm(global_channels),
+                nn.ReLU(),
+            ]
         self.body = nn.Sequential(*layers)
         self.fc = ctx.classifier(global_channels)
 
@@ -47,10 +54,14 @@ class SepConv(nn.Module):
     def __init__(self, ctx: BuildContext, global_in: int, global_out: int, stride: int) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            ctx.conv(global_in, global_in, 3, stride=stride, depthwise=True), ctx.conv(global_in, global_in, 1),
-            ctx.norm(global_in), nn.ReLU(),
-            ctx.conv(global_in, global_in, 3, depthwise=True), ctx.conv(global_in, global_out, 1),
-            ctx.norm(global_out), nn.ReLU(),
+            ctx.conv(global_in, global_in, 3, stride=stride, depthwise=True),
+            ctx.conv(global_in, global_in, 1),
+            ctx.norm(global_in),
+            nn.ReLU(),
+            ctx.conv(global_in, global_in, 3, depthwise=True),
+            ctx.conv(global_in, global_out, 1),
+            ctx.norm(global_out),
+            nn.ReLU(),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,8 +73,9 @@ class DepthFLExit(nn.Module):
 
     def __init__(self, ctx: BuildContext, global_channels: int, final_channels: int) -> None:
         super().__init__()
-        self.attention = nn.Sequential(SepConv(ctx, global_channels, global_channels, 2), nn.Upsample(scale_factor=2),
-                                       nn.Sigmoid())
+        self.attention = nn.Sequential(
+            SepConv(ctx, global_channels, global_channels, 2), nn.Upsample(scale_factor=2), nn.Sigmoid()
+        )
         stack: list[nn.Module] = []
         channels = global_channels
         while channels < final_channels:

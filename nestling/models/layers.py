@@ -48,7 +48,11 @@ class SlimConv2d(nn.Conv2d):
         self.active_out: int | None = None
 
     def set_active_width(self, ratio: float | None) -> None:
-        self.active_out = None if ratio is None else min(self.out_channels, kept_channels(self.global_out, ratio, self.rounding))
+        self.active_out = (
+            None
+            if ratio is None
+            else min(self.out_channels, kept_channels(self.global_out, ratio, self.rounding))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n_in = x.shape[1]
@@ -70,8 +74,16 @@ class SlimConv2d(nn.Conv2d):
 class SlimLinear(nn.Linear):
     """Linear layer; its output is sliced only when `slim_out` (hidden layers), never for class logits."""
 
-    def __init__(self, in_features: int, out_features: int, *, global_out: int, slim_out: bool, bias: bool = True,
-                 rounding: str = "ceil") -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        global_out: int,
+        slim_out: bool,
+        bias: bool = True,
+        rounding: str = "ceil",
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.global_out = global_out
         self.slim_out = slim_out
@@ -101,8 +113,16 @@ class SlimBatchNorm2d(nn.BatchNorm2d):
     affine (FjORD), buffers `running_mean_w{j}` / `running_var_w{j}` for every level this module holds.
     """
 
-    def __init__(self, num_features: int, *, global_features: int, stats: str = "running",
-                 width_levels: tuple[float, ...] = (), max_ratio: float = 1.0, rounding: str = "ceil") -> None:
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        global_features: int,
+        stats: str = "running",
+        width_levels: tuple[float, ...] = (),
+        max_ratio: float = 1.0,
+        rounding: str = "ceil",
+    ) -> None:
         track = stats == "running"
         super().__init__(num_features, track_running_stats=track)
         self.global_features = global_features
@@ -123,7 +143,9 @@ class SlimBatchNorm2d(nn.BatchNorm2d):
             self.active_features = None
             self.active_level = None
             return
-        self.active_features = min(self.num_features, kept_channels(self.global_features, ratio, self.rounding))
+        self.active_features = min(
+            self.num_features, kept_channels(self.global_features, ratio, self.rounding)
+        )
         if self.stats == "per_width":
             self.active_level = self._level_of(ratio)
 
@@ -152,7 +174,11 @@ class SlimBatchNorm2d(nn.BatchNorm2d):
             return F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         if n == self.num_features:
             return super().forward(x)
-        assert self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None
+        assert (
+            self.running_mean is not None
+            and self.running_var is not None
+            and self.num_batches_tracked is not None
+        )
         mean = self.running_mean[:n]
         var = self.running_var[:n]
         if self.training:

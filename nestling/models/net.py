@@ -28,8 +28,15 @@ class ScalableNet(nn.Module):
     exit logits in depth order followed by the final head's logits (when the head is kept).
     """
 
-    def __init__(self, stem: nn.Module, blocks: list[nn.Module], exits: dict[int, nn.Module], head: nn.Module | None,
-                 infos: tuple[BlockInfo, ...], arch: str) -> None:
+    def __init__(
+        self,
+        stem: nn.Module,
+        blocks: list[nn.Module],
+        exits: dict[int, nn.Module],
+        head: nn.Module | None,
+        infos: tuple[BlockInfo, ...],
+        arch: str,
+    ) -> None:
         super().__init__()
         self.stem = stem
         self.blocks = nn.ModuleList(blocks)
@@ -65,4 +72,3 @@ class ScalableNet(nn.Module):
         for block in list(self.blocks)[:upto]:
             x = block(x)
         return x
-

@@ -138,7 +138,9 @@ def pack_frame(kind: str, header: Mapping[str, Any], body: bytes | bytearray | m
     except (TypeError, ValueError) as error:
         raise WireError(f"header is not JSON-serialisable: {error}") from error
     if len(header_json) > MAX_HEADER_BYTES:
-        raise WireError(f"header of {len(header_json)} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes", "oversized")
+        raise WireError(
+            f"header of {len(header_json)} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes", "oversized"
+        )
     return b"".join((_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_json)), header_json, body))
 
 
@@ -156,9 +158,13 @@ def _parse_header(view: memoryview, max_bytes: int) -> tuple[dict[str, Any], int
     if magic != MAGIC:
         raise WireError(f"wrong magic {bytes(magic)!r}, expected {MAGIC!r}: not a Nestling message")
     if format_version != FORMAT_VERSION:
-        raise WireError(f"unknown format version {format_version} (supported: {FORMAT_VERSION})", "unknown_schema")
+        raise WireError(
+            f"unknown format version {format_version} (supported: {FORMAT_VERSION})", "unknown_schema"
+        )
     if header_length > MAX_HEADER_BYTES:
-        raise WireError(f"header of {header_length} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes", "oversized")
+        raise WireError(
+            f"header of {header_length} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes", "oversized"
+        )
     body_start = _PREAMBLE.size + header_length
     if len(view) < body_start:
         raise WireError(f"truncated header: {len(view) - _PREAMBLE.size} of {header_length} bytes")

@@ -31,7 +31,9 @@ def create_strategy(method: str, ctx: StrategyContext) -> Strategy:
     try:
         cls = STRATEGIES[method]
     except KeyError:
-        raise ConfigError(f"[method] unknown method '{method}' (known: {', '.join(sorted(STRATEGIES))})") from None
+        raise ConfigError(
+            f"[method] unknown method '{method}' (known: {', '.join(sorted(STRATEGIES))})"
+        ) from None
     return cls(ctx)
 
 

@@ -46,26 +46,54 @@ class StrategyContext:
     total_rounds: int
     seed: int = 0
     schedule: LrSchedule = field(default_factory=LrSchedule)
-    local: dict[str, Any] = field(default_factory=dict)  # local_epochs, batch_size, momentum, weight_decay, ...
+    local: dict[str, Any] = field(
+        default_factory=dict
+    )  # local_epochs, batch_size, momentum, weight_decay, ...
     options: dict[str, Any] = field(default_factory=dict)  # method-specific ([method] table)
     model_extra: dict[str, Any] = field(default_factory=dict)
     dataset: str | None = None  # the run's dataset, recorded so exports know normalisation and class names
 
     def model_config(self, **overrides: Any) -> ModelConfig:
-        return ModelConfig(arch=self.arch, num_classes=self.num_classes, in_channels=self.in_channels,
-                           image_size=self.image_size, extra=dict(self.model_extra), **overrides)
+        return ModelConfig(
+            arch=self.arch,
+            num_classes=self.num_classes,
+            in_channels=self.in_channels,
+            image_size=self.image_size,
+            extra=dict(self.model_extra),
+            **overrides,
+        )
 
     def to_record(self) -> dict[str, Any]:
         """JSON form stored in checkpoint manifests, enough to re-create the strategy (export, inspection)."""
-        return {"arch": self.arch, "num_classes": self.num_classes, "in_channels": self.in_channels,
-                "image_size": self.image_size, "num_clients": self.num_clients, "total_rounds": self.total_rounds,
-                "seed": self.seed, "local": dict(self.local), "options": dict(self.options),
-                "model_extra": dict(self.model_extra), "dataset": self.dataset}
+        return {
+            "arch": self.arch,
+            "num_classes": self.num_classes,
+            "in_channels": self.in_channels,
+            "image_size": self.image_size,
+            "num_clients": self.num_clients,
+            "total_rounds": self.total_rounds,
+            "seed": self.seed,
+            "local": dict(self.local),
+            "options": dict(self.options),
+            "model_extra": dict(self.model_extra),
+            "dataset": self.dataset,
+        }
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> StrategyContext:
-        known = {"arch", "num_classes", "in_channels", "image_size", "num_clients", "total_rounds", "seed", "local",
-                 "options", "model_extra", "dataset"}
+        known = {
+            "arch",
+            "num_classes",
+            "in_channels",
+            "image_size",
+            "num_clients",
+            "total_rounds",
+            "seed",
+            "local",
+            "options",
+            "model_extra",
+            "dataset",
+        }
         return cls(**{k: v for k, v in record.items() if k in known})
 
 
@@ -85,8 +113,10 @@ class Strategy(ABC):
     def __init__(self, ctx: StrategyContext) -> None:
         unknown = set(ctx.options) - set(self.option_defaults)
         if unknown:
-            raise ConfigError(f"[method] {self.name} has no options {sorted(unknown)} "
-                              f"(known: {', '.join(sorted(self.option_defaults)) or 'none'})")
+            raise ConfigError(
+                f"[method] {self.name} has no options {sorted(unknown)} "
+                f"(known: {', '.join(sorted(self.option_defaults)) or 'none'})"
+            )
         self.ctx = ctx
         self.options = {**self.option_defaults, **ctx.options}
         self.model = self.make_model_config()
@@ -151,9 +181,14 @@ class Strategy(ABC):
         for device in devices:
             spec = self.spec_for(round_index, device)
             tasks[device.device_id] = Task(
-                round=round_index, device_id=device.device_id, spec=spec.to_dict(), weights=self.task_weights(spec),
-                procedure=self.procedure, hparams=self.local_hparams(round_index, device, spec),
-                task_id=f"r{round_index}-{device.device_id}")
+                round=round_index,
+                device_id=device.device_id,
+                spec=spec.to_dict(),
+                weights=self.task_weights(spec),
+                procedure=self.procedure,
+                hparams=self.local_hparams(round_index, device, spec),
+                task_id=f"r{round_index}-{device.device_id}",
+            )
         return tasks
 
     def validate(self, task: Task, result: Result) -> None:
@@ -163,16 +198,21 @@ class Strategy(ABC):
         if not self.partial_uploads:
             missing = sorted(set(task.weights) - set(result.weights))
             if missing:
-                raise SpecError(f"result of {result.device_id} lacks {len(missing)} tensors of its slice, e.g. {missing[:3]}")
+                raise SpecError(
+                    f"result of {result.device_id} lacks {len(missing)} tensors of its slice, e.g. {missing[:3]}"
+                )
         if result.num_samples < 1:
             raise SpecError(f"result of {result.device_id} reports {result.num_samples} training samples")
 
-    def contributions(self, accepted: list[tuple[Task, Result]],
-                      keys: set[str] | None = None) -> list[Contribution]:
+    def contributions(
+        self, accepted: list[tuple[Task, Result]], keys: set[str] | None = None
+    ) -> list[Contribution]:
         out = []
         for task, result in accepted:
             spec = SubmodelSpec.from_dict(task.spec)
-            tensors = result.weights if keys is None else {k: v for k, v in result.weights.items() if k in keys}
+            tensors = (
+                result.weights if keys is None else {k: v for k, v in result.weights.items() if k in keys}
+            )
             out.append(Contribution(tensors, slices_for(spec), self.aggregation_weight(result)))
         return out
 

@@ -29,12 +29,18 @@ class DepthFL(Strategy):
     name = "depthfl"
     procedure = "depthfl-kd"
     # feddyn_alpha > 0 turns on FedDyn (the DepthFL reference uses 0.1; off by default here).
-    option_defaults: ClassVar[dict[str, Any]] = {"kd": True, "kd_ramp_rounds": 300, "exit_kind": "depthfl",
-                                                 "feddyn_alpha": 0.0}
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "kd": True,
+        "kd_ramp_rounds": 300,
+        "exit_kind": "depthfl",
+        "feddyn_alpha": 0.0,
+    }
 
     def make_model_config(self) -> ModelConfig:
         ends = stage_ends(self.ctx.arch, self.ctx.image_size, self.ctx.model_extra)
-        return self.ctx.model_config(exit_points=tuple(e - 1 for e in ends[:-1]), exit_kind=str(self.options["exit_kind"]))
+        return self.ctx.model_config(
+            exit_points=tuple(e - 1 for e in ends[:-1]), exit_kind=str(self.options["exit_kind"])
+        )
 
     def setup(self) -> None:
         self.setup_feddyn()
@@ -51,8 +57,11 @@ class DepthFL(Strategy):
 
     def local_hparams(self, round_index: int, device: DeviceInfo, spec: SubmodelSpec) -> dict[str, Any]:
         hp = super().local_hparams(round_index, device, spec)
-        hp.update(kd=bool(self.options["kd"]), kd_ramp_rounds=int(self.options["kd_ramp_rounds"]),
-                  feddyn_alpha=float(self.options["feddyn_alpha"]))
+        hp.update(
+            kd=bool(self.options["kd"]),
+            kd_ramp_rounds=int(self.options["kd_ramp_rounds"]),
+            feddyn_alpha=float(self.options["feddyn_alpha"]),
+        )
         return hp
 
     def aggregate(self, round_index: int, accepted: list[tuple[Task, Result]]) -> None:
@@ -85,8 +94,12 @@ class DepthFL(Strategy):
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         super().load_state(tensors, meta)
-        self.feddyn_h = {k.split("/", 1)[1]: v.clone() for k, v in tensors.items() if k.startswith("feddyn_h/")}
+        self.feddyn_h = {
+            k.split("/", 1)[1]: v.clone() for k, v in tensors.items() if k.startswith("feddyn_h/")
+        }
 
     def eval_targets(self) -> list[EvalTarget]:
-        return [EvalTarget(f"d{d}", spec, self.task_weights(spec), ensemble=True)
-                for d, spec in enumerate(self.specs, start=1)]
+        return [
+            EvalTarget(f"d{d}", spec, self.task_weights(spec), ensemble=True)
+            for d, spec in enumerate(self.specs, start=1)
+        ]

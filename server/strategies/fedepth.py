@@ -37,12 +37,16 @@ def budget_ratios(option: Any) -> tuple[float, ...]:
         try:
             return BUDGET_PRESETS[option]
         except KeyError:
-            raise ConfigError(f"[method] unknown FeDepth budgets '{option}' (known: {', '.join(BUDGET_PRESETS)}, "
-                              "or a list of width ratios)") from None
+            raise ConfigError(
+                f"[method] unknown FeDepth budgets '{option}' (known: {', '.join(BUDGET_PRESETS)}, "
+                "or a list of width ratios)"
+            ) from None
     try:
         ratios = tuple(float(r) for r in option)
     except (TypeError, ValueError):
-        raise ConfigError(f"[method] budgets must be a preset name or a list of width ratios, got {option!r}") from None
+        raise ConfigError(
+            f"[method] budgets must be a preset name or a list of width ratios, got {option!r}"
+        ) from None
     if not ratios or any(r <= 0 for r in ratios):
         raise ConfigError(f"[method] budget width ratios must be > 0, got {list(ratios)}")
     return ratios
@@ -57,9 +61,18 @@ class FeDepth(Strategy):
     name = "fedepth"
     procedure = "fedepth"
     option_defaults: ClassVar[dict[str, Any]] = {
-        "budgets": "fair", "tolerance": 0.05, "variant": "skip", "memory": "estimate", "stage_steps": "full",
-        "masked_ce": False, "norm_stats": "batch", "resource_weight": False, "aggregate_bypassed": True,
-        "max_models": 1, "kd_weight": 1.0, "mutual_depthwise": False,
+        "budgets": "fair",
+        "tolerance": 0.05,
+        "variant": "skip",
+        "memory": "estimate",
+        "stage_steps": "full",
+        "masked_ce": False,
+        "norm_stats": "batch",
+        "resource_weight": False,
+        "aggregate_bypassed": True,
+        "max_models": 1,
+        "kd_weight": 1.0,
+        "mutual_depthwise": False,
     }
 
     def make_model_config(self) -> ModelConfig:
@@ -77,7 +90,9 @@ class FeDepth(Strategy):
     def setup(self) -> None:
         for key, allowed in (("memory", ("estimate", "measure")), ("stage_steps", ("full", "split"))):
             if self.options[key] not in allowed:
-                raise ConfigError(f"[method] {self.name} {key} must be one of {allowed}, got '{self.options[key]}'")
+                raise ConfigError(
+                    f"[method] {self.name} {key} must be one of {allowed}, got '{self.options[key]}'"
+                )
         self.ratios = budget_ratios(self.options["budgets"])
         # Without bypassed blocks in the mean, their tensors are left out of the upload.
         self.partial_uploads = not bool(self.options["aggregate_bypassed"])  # type: ignore[misc]
@@ -95,15 +110,23 @@ class FeDepth(Strategy):
             try:
                 self.plan_for_budget(budget)
             except ConfigError as exc:
-                raise ConfigError(f"[method] {self.name}: budget ×{r:g} ({budget / 2**20:.1f} MiB): {exc}") from None
+                raise ConfigError(
+                    f"[method] {self.name}: budget ×{r:g} ({budget / 2**20:.1f} MiB): {exc}"
+                ) from None
 
     def _cost_table(self) -> DepthCosts:
         aux = self.options["variant"] == "aux"
         if self.options["memory"] == "measure":
             from nestling.profiler.measure import profile_model
 
-            profile = profile_model(self.full_spec, self.batch, repeats=1, warmup=1,
-                                    momentum=0.9 if self.momentum else 0.0, rss_check=False)
+            profile = profile_model(
+                self.full_spec,
+                self.batch,
+                repeats=1,
+                warmup=1,
+                momentum=0.9 if self.momentum else 0.0,
+                rss_check=False,
+            )
             return depth_costs_from_profile(profile, aux_heads=aux)
         return depth_costs(estimate(self.full_spec, self.batch, momentum=self.momentum), aux_heads=aux)
 
@@ -112,8 +135,14 @@ class FeDepth(Strategy):
             from nestling.profiler.measure import profile_model
 
             plain = SubmodelSpec(self.model.with_(exit_points=()), width=ratio)
-            profile = profile_model(plain, self.batch, repeats=1, warmup=1, momentum=0.9 if self.momentum else 0.0,
-                                    rss_check=False)
+            profile = profile_model(
+                plain,
+                self.batch,
+                repeats=1,
+                warmup=1,
+                momentum=0.9 if self.momentum else 0.0,
+                rss_check=False,
+            )
             return int(profile["total"]["peak_training_bytes"])
         return width_budget(self.full_spec, ratio, self.batch, momentum=self.momentum)
 
@@ -133,7 +162,10 @@ class FeDepth(Strategy):
                 if not plan.bypass and (plan.num_stages == 1 or self.options["mutual_depthwise"]):
                     chosen = (plan, models)
                     break
-            self._plans[budget] = chosen or (self.costs.plan(budget, self.tolerance, 1, self.stem_every_stage), 1)
+            self._plans[budget] = chosen or (
+                self.costs.plan(budget, self.tolerance, 1, self.stem_every_stage),
+                1,
+            )
         return self._plans[budget]
 
     def tier_of(self, device: DeviceInfo) -> int:
@@ -163,16 +195,25 @@ class FeDepth(Strategy):
     def local_hparams(self, round_index: int, device: DeviceInfo, spec: SubmodelSpec) -> dict[str, Any]:
         hp = super().local_hparams(round_index, device, spec)
         plan, models = self.plan_for(device)
-        hp.update(plan=plan.to_dict(), models=models, variant=self.options["variant"],
-                  stage_steps=self.options["stage_steps"], masked_ce=bool(self.options["masked_ce"]),
-                  kd_weight=float(self.options["kd_weight"]), aggregate_bypassed=bool(self.options["aggregate_bypassed"]),
-                  stem_every_stage=self.stem_every_stage, tier=self.tier_of(device))
+        hp.update(
+            plan=plan.to_dict(),
+            models=models,
+            variant=self.options["variant"],
+            stage_steps=self.options["stage_steps"],
+            masked_ce=bool(self.options["masked_ce"]),
+            kd_weight=float(self.options["kd_weight"]),
+            aggregate_bypassed=bool(self.options["aggregate_bypassed"]),
+            stem_every_stage=self.stem_every_stage,
+            tier=self.tier_of(device),
+        )
         return hp
 
     def aggregation_weight(self, result: Result) -> float:
         return float(result.num_samples)
 
-    def contributions(self, accepted: list[tuple[Task, Result]], keys: set[str] | None = None) -> list[Contribution]:
+    def contributions(
+        self, accepted: list[tuple[Task, Result]], keys: set[str] | None = None
+    ) -> list[Contribution]:
         out = super().contributions(accepted, keys)
         if self.options["resource_weight"]:  # the reference's `resouce_w` flag: p_k × (tier + 1)
             for contribution, (task, _) in zip(out, accepted):
@@ -188,4 +229,8 @@ class MFeDepth(FeDepth):
     """m-FeDepth: clients with room for M > 1 full models train M by mutual distillation, upload model 1."""
 
     name = "m-fedepth"
-    option_defaults: ClassVar[dict[str, Any]] = {**FeDepth.option_defaults, "budgets": "surplus", "max_models": 2}
+    option_defaults: ClassVar[dict[str, Any]] = {
+        **FeDepth.option_defaults,
+        "budgets": "surplus",
+        "max_models": 2,
+    }

@@ -22,7 +22,9 @@ class FjORD(Strategy):
     # Default widths: √γ for γ = 0.2 … 1, NeFL's equal-size comparison (METHODS §2.c: "FjORD with per-submodel
     # BN"); FjORD's own P = (0.2, 0.4, 0.6, 0.8, 1.0) channel ratios are one option away.
     option_defaults: ClassVar[dict[str, Any]] = {
-        "widths": tuple(round(width_from_param_fraction(g), 6) for g in PARAM_FRACTIONS), "kd": False}
+        "widths": tuple(round(width_from_param_fraction(g), 6) for g in PARAM_FRACTIONS),
+        "kd": False,
+    }
 
     def make_model_config(self) -> ModelConfig:
         widths = tuple(sorted(float(w) for w in self.options["widths"]))
@@ -51,4 +53,7 @@ class FjORD(Strategy):
         return float(result.num_samples)
 
     def eval_targets(self) -> list[EvalTarget]:
-        return [EvalTarget(f"p{p:g}", spec, self.task_weights(spec), active_width=p) for p, spec in self.specs.items()]
+        return [
+            EvalTarget(f"p{p:g}", spec, self.task_weights(spec), active_width=p)
+            for p, spec in self.specs.items()
+        ]

@@ -22,7 +22,9 @@ def parse_rate_mix(mix: str) -> list[tuple[float, float]]:
     for part in mix.split("-"):
         letter, share = part[:1], part[1:]
         if letter not in RATE_LETTERS or not share.replace(".", "", 1).isdigit():
-            raise ConfigError(f"[method] bad HeteroFL rate mix '{mix}': expected parts like a1-b1 (a=1 … e=1/16)")
+            raise ConfigError(
+                f"[method] bad HeteroFL rate mix '{mix}': expected parts like a1-b1 (a=1 … e=1/16)"
+            )
         pairs.append((RATE_LETTERS[letter], float(share)))
     total = sum(s for _, s in pairs)
     return [(rate, share / total) for rate, share in pairs]
@@ -35,8 +37,13 @@ class HeteroFL(Strategy):
     # Default rates: the channel ratios √γ of NeFL's comparison (γ = 0.2 … 1 parameter fractions, METHODS §2.c)
     # so that methods are compared at equal submodel sizes; `mix = "a1-b1-c1-d1-e1"` gives HeteroFL's own
     # 1 … 1/16 rates.
-    option_defaults: ClassVar[dict[str, Any]] = {"rates": tuple(width_from_param_fraction(g) for g in PARAM_FRACTIONS),
-                                                 "mix": None, "mode": "fix", "masked_ce": False, "static_bn": True}
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "rates": tuple(width_from_param_fraction(g) for g in PARAM_FRACTIONS),
+        "mix": None,
+        "mode": "fix",
+        "masked_ce": False,
+        "static_bn": True,
+    }
 
     def make_model_config(self) -> ModelConfig:
         return self.ctx.model_config(norm_stats="batch", scaler="train")
@@ -50,7 +57,9 @@ class HeteroFL(Strategy):
                 raise ConfigError(f"[method] HeteroFL rates must lie in (0, 1], got {rates}")
             self.mix = [(r, 1 / len(rates)) for r in sorted(rates, reverse=True)]
         if self.options["mode"] not in ("fix", "dynamic"):
-            raise ConfigError(f"[method] HeteroFL mode must be 'fix' or 'dynamic', got '{self.options['mode']}'")
+            raise ConfigError(
+                f"[method] HeteroFL mode must be 'fix' or 'dynamic', got '{self.options['mode']}'"
+            )
         rates = sorted({rate for rate, _ in self.mix})
         self.specs = {rate: SubmodelSpec(self.model, width=rate) for rate in rates}
 
@@ -97,5 +106,7 @@ class HeteroFL(Strategy):
         return out
 
     def eval_targets(self) -> list[EvalTarget]:
-        return [EvalTarget(f"r{rate:g}", spec, self.task_weights(spec), static_bn=bool(self.options["static_bn"]))
-                for rate, spec in sorted(self.specs.items())]
+        return [
+            EvalTarget(f"r{rate:g}", spec, self.task_weights(spec), static_bn=bool(self.options["static_bn"]))
+            for rate, spec in sorted(self.specs.items())
+        ]

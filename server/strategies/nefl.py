@@ -28,8 +28,12 @@ class NeFL(Strategy):
     # clients that skip the block (they do use it); off by default, as in the reference.
     # step_init "one": every kept block starts at s = 1; "do" (NeFL-DO): a kept block followed by m skipped
     # blocks of its stage starts at 1 + m (§2.a.1).
-    option_defaults: ClassVar[dict[str, Any]] = {"flex": 2, "learnable_step": True,
-                                                 "shortcut_from_skipping": False, "step_init": "one"}
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "flex": 2,
+        "learnable_step": True,
+        "shortcut_from_skipping": False,
+        "step_init": "one",
+    }
 
     def make_model_config(self) -> ModelConfig:
         return self.ctx.model_config(learnable_step=bool(self.options["learnable_step"]))
@@ -68,7 +72,9 @@ class NeFL(Strategy):
 
     def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
         tier, flex = self.tier_of(device), int(self.options["flex"])
-        capped = device_memory_budget(device.memory_budget_bytes, device.profile) is not None  # never above the fit
+        capped = (
+            device_memory_budget(device.memory_budget_bytes, device.profile) is not None
+        )  # never above the fit
         low, high = max(0, tier - flex), tier if capped else min(self.num_submodels - 1, tier + flex)
         rng = self.round_rng(round_index, salt=device.index + 1)
         return self.specs[int(rng.integers(low, high + 1))]
@@ -103,7 +109,9 @@ class NeFL(Strategy):
             if not mine:
                 continue
             regions = slices_for(spec)
-            contributions = [Contribution({key: r.weights[key] for key in self.stores[k]}, regions) for _, r in mine]
+            contributions = [
+                Contribution({key: r.weights[key] for key in self.stores[k]}, regions) for _, r in mine
+            ]
             self.stores[k].update(masked_mean(self.stores[k], contributions))
 
     def eval_targets(self) -> list[EvalTarget]:
@@ -141,7 +149,7 @@ def do_initial_steps(spec: SubmodelSpec) -> dict[int, float]:
         if info.index not in kept:
             continue
         skipped_after = 0
-        for later in infos[info.index + 1:]:
+        for later in infos[info.index + 1 :]:
             if later.stage != info.stage or later.index in kept:
                 break
             skipped_after += 1

@@ -39,6 +39,11 @@ def nefl_family(arch: str, mode: str, extra: dict | None = None) -> Family:
         if preset is not None:
             return [(width_from_param_fraction(g), kept) for g, kept in preset]
         # Generic: split γ evenly between width and depth (γ_W = γ_D = √γ).
-        return [(width_from_param_fraction(math.sqrt(g)), None if g == 1.0 else _generic_depth(depths, math.sqrt(g)))
-                for g in _W_GAMMAS]
+        return [
+            (
+                width_from_param_fraction(math.sqrt(g)),
+                None if g == 1.0 else _generic_depth(depths, math.sqrt(g)),
+            )
+            for g in _W_GAMMAS
+        ]
     raise ConfigError(f"[method] unknown NeFL mode '{mode}' (known: w, d, wd)")

@@ -25,12 +25,18 @@ class ScaleFL(Strategy):
     name = "scalefl"
     procedure = "scalefl-sd"
     partial_uploads = True
-    option_defaults: ClassVar[dict[str, Any]] = {"levels": (0.125, 0.25, 0.5, 1.0), "kd_gamma": 0.0,
-                                                 "kd_temperature": 3.0, "tolerance": 0.05,
-                                                 "grid": None}
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "levels": (0.125, 0.25, 0.5, 1.0),
+        "kd_gamma": 0.0,
+        "kd_temperature": 3.0,
+        "tolerance": 0.05,
+        "grid": None,
+    }
 
     def make_model_config(self) -> ModelConfig:
-        base = self.ctx.model_config(exit_kind="scalefl", scaler="always", norm_stats="batch", rounding="floor")
+        base = self.ctx.model_config(
+            exit_kind="scalefl", scaler="always", norm_stats="batch", rounding="floor"
+        )
         num_blocks = len(block_infos(base.arch, base.image_size, base.extra))
         self.levels: list[Level]
         if self.options.get("grid") is not None:
@@ -39,8 +45,9 @@ class ScaleFL(Strategy):
             fractions = tuple(float(f) for f in self.options["levels"])
             if not fractions or fractions[-1] != 1.0 or sorted(fractions) != list(fractions):
                 raise ConfigError(f"[method] ScaleFL levels must rise to 1.0, got {list(fractions)}")
-            self.levels = search_levels(base, fractions, num_blocks=num_blocks,
-                                        tolerance=float(self.options["tolerance"]))
+            self.levels = search_levels(
+                base, fractions, num_blocks=num_blocks, tolerance=float(self.options["tolerance"])
+            )
         return base.with_(exit_points=tuple(level.depth - 1 for level in self.levels[:-1]))
 
     def setup(self) -> None:
@@ -48,11 +55,16 @@ class ScaleFL(Strategy):
         for position, level in enumerate(self.levels):
             last = position == len(self.levels) - 1
             exits = self.model.exit_points[: position + (0 if last else 1)]
-            self.specs.append(SubmodelSpec(self.model, width=level.width, depth=None if last else level.depth,
-                                           exits=exits, head=last))
+            self.specs.append(
+                SubmodelSpec(
+                    self.model, width=level.width, depth=None if last else level.depth, exits=exits, head=last
+                )
+            )
         order = np.random.default_rng(self.ctx.seed).permutation(self.ctx.num_clients)
-        self.level_of_index = {int(i): min(len(self.specs) - 1, pos * len(self.specs) // self.ctx.num_clients)
-                               for pos, i in enumerate(order)}
+        self.level_of_index = {
+            int(i): min(len(self.specs) - 1, pos * len(self.specs) // self.ctx.num_clients)
+            for pos, i in enumerate(order)
+        }
 
     def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
         fitted = self.fit_by_budget(device, self.specs)
@@ -62,8 +74,12 @@ class ScaleFL(Strategy):
 
     def local_hparams(self, round_index: int, device: DeviceInfo, spec: SubmodelSpec) -> dict[str, Any]:
         hp = super().local_hparams(round_index, device, spec)
-        hp.update(kd_gamma=float(self.options["kd_gamma"]), kd_temperature=float(self.options["kd_temperature"]))
+        hp.update(
+            kd_gamma=float(self.options["kd_gamma"]), kd_temperature=float(self.options["kd_temperature"])
+        )
         return hp
 
     def eval_targets(self) -> list[EvalTarget]:
-        return [EvalTarget(f"L{n}", spec, self.task_weights(spec)) for n, spec in enumerate(self.specs, start=1)]
+        return [
+            EvalTarget(f"L{n}", spec, self.task_weights(spec)) for n, spec in enumerate(self.specs, start=1)
+        ]

@@ -24,7 +24,9 @@ class Level:
 
 
 @lru_cache(maxsize=4096)
-def _group_params(probe: ModelConfig, width: float) -> tuple[float, tuple[float, ...], tuple[float, ...], float]:
+def _group_params(
+    probe: ModelConfig, width: float
+) -> tuple[float, tuple[float, ...], tuple[float, ...], float]:
     """Parameters of stem, of each block, of an exit after each block, and of the head at `width`."""
     shapes = shapes_for(SubmodelSpec(probe, width=width, exits=probe.exit_points))
     blocks = max(probe.exit_points) + 1
@@ -44,8 +46,14 @@ def _group_params(probe: ModelConfig, width: float) -> tuple[float, tuple[float,
     return stem, tuple(block_params), tuple(exit_params), head
 
 
-def search_levels(model: ModelConfig, fractions: tuple[float, ...], *, num_blocks: int, step: float = 0.01,
-                  tolerance: float = 0.05) -> list[Level]:
+def search_levels(
+    model: ModelConfig,
+    fractions: tuple[float, ...],
+    *,
+    num_blocks: int,
+    step: float = 0.01,
+    tolerance: float = 0.05,
+) -> list[Level]:
     """Levels smallest first; the last fraction must be 1 (the full model). Cost = #params incl. kept exits."""
     probe = model.with_(exit_points=tuple(range(num_blocks)))
     widths = [round(step * i, 4) for i in range(1, round(1 / step) + 1)]
@@ -74,9 +82,11 @@ def search_levels(model: ModelConfig, fractions: tuple[float, ...], *, num_block
                 elif fallback is None or error < fallback[0]:
                     fallback = (error, level)
         if best is None and fallback is None:
-            raise ConfigError(f"[method] ScaleFL level {len(levels) + 1} (cost {fraction:g}) has no split: "
-                              f"{model.arch} has too few blocks ({num_blocks}) for {len(fractions)} levels "
-                              "that each end at a later block")
+            raise ConfigError(
+                f"[method] ScaleFL level {len(levels) + 1} (cost {fraction:g}) has no split: "
+                f"{model.arch} has too few blocks ({num_blocks}) for {len(fractions)} levels "
+                "that each end at a later block"
+            )
         picked = best[2] if best is not None else fallback[1]  # type: ignore[index]
         levels.append(picked)
         chosen_exits.append(picked.depth - 1)
@@ -97,11 +107,15 @@ def explicit_levels(grid: Any, *, num_blocks: int) -> list[Level]:
         if isinstance(width, bool) or not isinstance(width, (int, float)) or not 0 < float(width) <= 1:
             raise ConfigError(f"[method] ScaleFL grid width must be in (0, 1], got {width!r}")
         if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= num_blocks:
-            raise ConfigError(f"[method] ScaleFL grid depth must be an integer in [1, {num_blocks}] "
-                              f"(blocks kept; the full model is added on top), got {depth!r}")
+            raise ConfigError(
+                f"[method] ScaleFL grid depth must be an integer in [1, {num_blocks}] "
+                f"(blocks kept; the full model is added on top), got {depth!r}"
+            )
         if levels and depth <= levels[-1].depth:
-            raise ConfigError(f"[method] ScaleFL grid depths must rise (each level exits after a later block), "
-                              f"got {depth} after {levels[-1].depth}")
+            raise ConfigError(
+                f"[method] ScaleFL grid depths must rise (each level exits after a later block), "
+                f"got {depth} after {levels[-1].depth}"
+            )
         levels.append(Level(float(width), depth, float("nan")))  # cost unknown: chosen by memory, not params
     levels.append(Level(1.0, num_blocks, 1.0))
     return levels

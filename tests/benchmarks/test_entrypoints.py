@@ -21,10 +21,24 @@ BENCHMARKS = sorted(path.stem for path in (REPO / "benchmarks").glob("*.py") if 
 def test_benchmark_starts_as_a_script_and_as_a_module(name: str, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
-    as_script = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--help"], cwd=tmp_path,
-                               env=env, capture_output=True, text=True, timeout=120, check=False)
+    as_script = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert as_script.returncode == 0, as_script.stderr
-    as_module = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=REPO, env=env,
-                               capture_output=True, text=True, timeout=120, check=False)
+    as_module = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--help"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert as_module.returncode == 0, as_module.stderr
     assert "usage" in as_script.stdout.lower() and "usage" in as_module.stdout.lower()

@@ -37,16 +37,32 @@ def test_rounds_must_match_and_take_time() -> None:
 
 
 def test_the_agents_emulation_lines_are_read_back() -> None:
-    pacing = TaskPacing(down_s=0.1, compute_s=2.5, up_s=0.2, slept_s=1.9, overrun_s=0.0, measured_compute_s=0.9)
-    log = (f"2026-11-22 02:40:45,450 nestling.agent INFO {pacing.line(4, 'rpi4')}\n"
-           "2026-11-22 02:40:45,461 nestling.agent INFO round 4: sent r4-dev-00002 for submodel 30f0 (1.11 MB)\n")
-    assert fidelity.parse_agent_log(log) == {4: {"down_s": 0.1, "compute_s": 2.5, "host_s": 0.9, "up_s": 0.2,
-                                                 "slept_s": 1.9, "overrun_s": 0.0}}
+    pacing = TaskPacing(
+        down_s=0.1, compute_s=2.5, up_s=0.2, slept_s=1.9, overrun_s=0.0, measured_compute_s=0.9
+    )
+    log = (
+        f"2026-11-22 02:40:45,450 nestling.agent INFO {pacing.line(4, 'rpi4')}\n"
+        "2026-11-22 02:40:45,461 nestling.agent INFO round 4: sent r4-dev-00002 for submodel 30f0 (1.11 MB)\n"
+    )
+    assert fidelity.parse_agent_log(log) == {
+        4: {"down_s": 0.1, "compute_s": 2.5, "host_s": 0.9, "up_s": 0.2, "slept_s": 1.9, "overrun_s": 0.0}
+    }
 
 
 def test_both_worlds_share_method_seed_participation_deadline_and_quorum() -> None:
-    args = fidelity.argparse.Namespace(devices=20, per_round=4, rounds=3, seed=1, deadline=60.0, dataset="digits",
-                                       model="resnet20", method="fedavg", local_epochs=2, batch=32, lr=0.05)
+    args = fidelity.argparse.Namespace(
+        devices=20,
+        per_round=4,
+        rounds=3,
+        seed=1,
+        deadline=60.0,
+        dataset="digits",
+        model="resnet20",
+        method="fedavg",
+        local_epochs=2,
+        batch=32,
+        lr=0.05,
+    )
     shared = fidelity.shared_config(args)
     assert int(shared["train"]["fraction"] * 20) == 4
     assert shared["run"]["over_selection"] == 1.0 and shared["run"]["quorum"] == 1.0
@@ -56,10 +72,28 @@ def test_both_worlds_share_method_seed_participation_deadline_and_quorum() -> No
 
 @pytest.mark.slow
 def test_a_tiny_replay_runs_in_both_worlds(tmp_path, capsys: pytest.CaptureFixture) -> None:
-    assert fidelity.main(["--devices", "3", "--per-round", "2", "--rounds", "2", "--local-epochs", "1",
-                          "--settle", "1", "--out", str(tmp_path)]) == 0
+    assert (
+        fidelity.main(
+            [
+                "--devices",
+                "3",
+                "--per-round",
+                "2",
+                "--rounds",
+                "2",
+                "--local-epochs",
+                "1",
+                "--settle",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "same devices every round in both worlds: yes" in out and "3 agents emulating rpi4" in out
-    median, worst = map(float, re.fullmatch(r"median_abs_err=(\S+) worst_err=(\S+)", out.strip().splitlines()[-1])
-                        .groups())
+    median, worst = map(
+        float, re.fullmatch(r"median_abs_err=(\S+) worst_err=(\S+)", out.strip().splitlines()[-1]).groups()
+    )
     assert 0 <= median <= worst < 1.0  # two short rounds: only that the runs line up, not the 10 % goal

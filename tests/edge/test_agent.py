@@ -58,8 +58,11 @@ class ScriptedServer:
         self.client.publish(topic, payload, qos=QOS, retain=retain).wait_for_publish(5)
 
     def announce(self, session: str, phase: str = "training", round_index: int = 0) -> None:
-        self.publish(self.topics.server_status, encode_server_status(ServerStatus(session, phase, round_index)),
-                     retain=True)
+        self.publish(
+            self.topics.server_status,
+            encode_server_status(ServerStatus(session, phase, round_index)),
+            retain=True,
+        )
 
     def next(self, channel: str, timeout: float = 20.0) -> bytes:
         give_up = time.monotonic() + timeout
@@ -100,12 +103,14 @@ def server(broker):
 
 @pytest.fixture
 def agent(broker, server):
-    config = agent_config_from_dict({
-        "broker": {"url": broker.url, "fleet": FLEET},
-        "device": {"id": DEVICE, "memory_budget_mb": 48},
-        "data": {"client_index": 2, "num_clients": 4},
-        "agent": {"heartbeat_s": 0.5, "chunk_kb": 1, "stall_s": 0.3},
-    })
+    config = agent_config_from_dict(
+        {
+            "broker": {"url": broker.url, "fleet": FLEET},
+            "device": {"id": DEVICE, "memory_budget_mb": 48},
+            "data": {"client_index": 2, "num_clients": 4},
+            "agent": {"heartbeat_s": 0.5, "chunk_kb": 1, "stall_s": 0.3},
+        }
+    )
     generator = torch.Generator().manual_seed(0)
     data = ClientData(torch.randn(40, 1, 16, 16, generator=generator), torch.arange(40) % 10)
     made = Agent(config, data).start()
@@ -115,8 +120,15 @@ def agent(broker, server):
 
 @pytest.fixture
 def small_task():
-    ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=4,
-                          total_rounds=3, local={"local_steps": 2, "batch_size": 8})
+    ctx = StrategyContext(
+        arch="tinycnn",
+        num_classes=10,
+        in_channels=1,
+        image_size=16,
+        num_clients=4,
+        total_rounds=3,
+        local={"local_steps": 2, "batch_size": 8},
+    )
     strategy = create_strategy("nefl-wd", ctx)
     device = DeviceInfo(DEVICE, 2, 40, profile={"tier": 0})
     return strategy.assign(0, [device])[DEVICE], strategy
@@ -130,11 +142,15 @@ def test_the_agent_says_hello_with_its_profile(agent, server):
     assert profile["torch_version"] == torch.__version__ and profile["cores"] >= 1
 
 
-def test_a_chunked_task_with_a_lost_chunk_is_trained_as_the_small_slice_only(agent, server, small_task, monkeypatch):
+def test_a_chunked_task_with_a_lost_chunk_is_trained_as_the_small_slice_only(
+    agent, server, small_task, monkeypatch
+):
     task, strategy = small_task
     built: list[SubmodelSpec] = []
     real_build = nestling.edge.trainer.build
-    monkeypatch.setattr(nestling.edge.trainer, "build", lambda spec, **kw: built.append(spec) or real_build(spec, **kw))
+    monkeypatch.setattr(
+        nestling.edge.trainer, "build", lambda spec, **kw: built.append(spec) or real_build(spec, **kw)
+    )
     server.next("hello")
     server.announce("s1")
     chunks = split_into_chunks("task-1", encode_task(task, "s1"), 1024)
@@ -153,8 +169,9 @@ def test_a_chunked_task_with_a_lost_chunk_is_trained_as_the_small_slice_only(age
     assert result.metrics["loss_mean"] is not None and result.num_samples == 40
 
 
-def test_lost_result_chunks_are_resent_and_a_repeated_task_is_answered_without_training(agent, server, small_task,
-                                                                                       monkeypatch):
+def test_lost_result_chunks_are_resent_and_a_repeated_task_is_answered_without_training(
+    agent, server, small_task, monkeypatch
+):
     task, _ = small_task
     server.next("hello")
     server.announce("s2")
@@ -211,15 +228,28 @@ def test_agent_config_errors_name_the_key():
 def test_the_device_store_survives_an_agent_restart_with_a_state_file(broker, server, tmp_path):
     from nestling.edge.procedures.feddyn import STORE_KEY
 
-    config = agent_config_from_dict({
-        "broker": {"url": broker.url, "fleet": FLEET},
-        "device": {"id": DEVICE, "memory_budget_mb": 48, "state_file": "state/store.safetensors"},
-        "agent": {"heartbeat_s": 0.5},
-    }, base=tmp_path)
-    ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=4,
-                          total_rounds=3, local={"local_steps": 2, "batch_size": 8}, options={"feddyn_alpha": 0.1})
+    config = agent_config_from_dict(
+        {
+            "broker": {"url": broker.url, "fleet": FLEET},
+            "device": {"id": DEVICE, "memory_budget_mb": 48, "state_file": "state/store.safetensors"},
+            "agent": {"heartbeat_s": 0.5},
+        },
+        base=tmp_path,
+    )
+    ctx = StrategyContext(
+        arch="tinycnn",
+        num_classes=10,
+        in_channels=1,
+        image_size=16,
+        num_clients=4,
+        total_rounds=3,
+        local={"local_steps": 2, "batch_size": 8},
+        options={"feddyn_alpha": 0.1},
+    )
     task = create_strategy("depthfl", ctx).assign(0, [DeviceInfo(DEVICE, 3, 40)])[DEVICE]
-    data = ClientData(torch.randn(40, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 10)
+    data = ClientData(
+        torch.randn(40, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 10
+    )
     first = Agent(config, data).start()
     try:
         server.next("hello")

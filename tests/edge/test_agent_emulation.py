@@ -41,8 +41,9 @@ SLOW = DeviceTrace("slow-pi", "rpi4", 2**30, up_bps=2e6, down_bps=4e6, latency_s
 
 def write_trace(path: Path) -> Path:
     fast = DeviceTrace("fast-pi", "rpi4", 2**30, up_bps=1e8, down_bps=1e8, latency_s=0.01, gflops=50.0)
-    measured = DeviceTrace("measured", "fedscale", 2**30, up_bps=1e6, down_bps=1e6, latency_s=0.0,
-                           block_latency_s={"*": 0.01})
+    measured = DeviceTrace(
+        "measured", "fedscale", 2**30, up_bps=1e6, down_bps=1e6, latency_s=0.0, block_latency_s={"*": 0.01}
+    )
     save_traces([SLOW, fast, measured], path)
     return path
 
@@ -52,8 +53,9 @@ def test_device_emulate_names_a_catalogue_class() -> None:
     config = agent_config_from_dict({"device": {"id": "b", "emulate": "rpi4"}})
     target = resolve_emulation(config.device)
     rpi4 = get_board("rpi4")
-    assert target == EmulationTarget("rpi4", SpeedFigures(rpi4.sustained_gflops, rpi4.up_bps, rpi4.down_bps,
-                                                          rpi4.latency_s))
+    assert target == EmulationTarget(
+        "rpi4", SpeedFigures(rpi4.sustained_gflops, rpi4.up_bps, rpi4.down_bps, rpi4.latency_s)
+    )
     assert resolve_emulation(agent_config_from_dict({"device": {"id": "b"}}).device) is None
 
 
@@ -66,31 +68,44 @@ def test_an_unknown_class_is_refused_with_the_known_ones() -> None:
 def test_a_trace_device_brings_its_own_figures(tmp_path: Path) -> None:
     write_trace(tmp_path / "fleet.jsonl")
     (tmp_path / "agent.toml").write_text(
-        '[device]\nid = "b"\nemulate_trace = "fleet.jsonl"\nemulate_device = "slow-pi"\n')
+        '[device]\nid = "b"\nemulate_trace = "fleet.jsonl"\nemulate_device = "slow-pi"\n'
+    )
     config = load_agent_config(tmp_path / "agent.toml")
     assert config.device.emulate_trace == str(tmp_path / "fleet.jsonl")  # relative to the config file
     target = resolve_emulation(config.device)
     assert target == EmulationTarget("rpi4", SpeedFigures(0.1, 2e6, 4e6, 0.05), trace_device="slow-pi")
-    with pytest.raises(ConfigError, match=r"no device 'nope' in trace .*\(it has 3: slow-pi, fast-pi, measured\)"):
-        resolve_emulation(DeviceSection(id="b", emulate_trace=str(tmp_path / "fleet.jsonl"), emulate_device="nope"))
-    measured = resolve_emulation(DeviceSection(id="b", emulate_trace=str(tmp_path / "fleet.jsonl"),
-                                               emulate_device="measured"))  # paced by its measured latency
+    with pytest.raises(
+        ConfigError, match=r"no device 'nope' in trace .*\(it has 3: slow-pi, fast-pi, measured\)"
+    ):
+        resolve_emulation(
+            DeviceSection(id="b", emulate_trace=str(tmp_path / "fleet.jsonl"), emulate_device="nope")
+        )
+    measured = resolve_emulation(
+        DeviceSection(id="b", emulate_trace=str(tmp_path / "fleet.jsonl"), emulate_device="measured")
+    )  # paced by its measured latency
     assert measured.figures.sustained_gflops is None and measured.figures.block_latency_s
 
 
 def test_config_keys_go_together_and_flags_override_them(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="exclude each other"):
-        agent_config_from_dict({"device": {"id": "b", "emulate": "rpi4", "emulate_trace": "t.jsonl",
-                                           "emulate_device": "x"}})
+        agent_config_from_dict(
+            {"device": {"id": "b", "emulate": "rpi4", "emulate_trace": "t.jsonl", "emulate_device": "x"}}
+        )
     with pytest.raises(ConfigError, match="go together"):
         agent_config_from_dict({"device": {"id": "b", "emulate_trace": "t.jsonl"}})
     config = agent_config_from_dict({"device": {"id": "b", "emulate": "rpi4"}})
     apply_emulation_flags(config, None, tmp_path / "t.jsonl", "dev-3")
     assert (config.device.emulate, config.device.emulate_trace, config.device.emulate_device) == (
-        None, str(tmp_path / "t.jsonl"), "dev-3")
+        None,
+        str(tmp_path / "t.jsonl"),
+        "dev-3",
+    )
     apply_emulation_flags(config, "phone-low", None, None)
     assert (config.device.emulate, config.device.emulate_trace, config.device.emulate_device) == (
-        "phone-low", None, None)
+        "phone-low",
+        None,
+        None,
+    )
     apply_emulation_flags(config, None, None, None)  # no flags: the config stands
     assert config.device.emulate == "phone-low"
     with pytest.raises(ConfigError, match="exclude each other"):
@@ -99,7 +114,9 @@ def test_config_keys_go_together_and_flags_override_them(tmp_path: Path) -> None
         apply_emulation_flags(config, None, tmp_path / "t.jsonl", None)
 
 
-def test_nestling_agent_stops_at_once_on_an_unknown_class(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_nestling_agent_stops_at_once_on_an_unknown_class(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     (tmp_path / "agent.toml").write_text('[broker]\nurl = "mqtt://127.0.0.1:1"\n[device]\nid = "b"\n')
     assert agent_main(["--config", str(tmp_path / "agent.toml"), "--emulate", "pi9"]) == 2
     err = capsys.readouterr().err
@@ -114,8 +131,9 @@ class Server:
         self.topics = FleetTopics(FLEET)
         self.inbox: queue.Queue = queue.Queue()
         self.client = make_client(f"emul-server-{time.monotonic_ns()}")
-        self.client.on_message = lambda _c, _u, m: self.inbox.put((parse_topic(m.topic).channel, m.payload,
-                                                                    time.monotonic()))
+        self.client.on_message = lambda _c, _u, m: self.inbox.put(
+            (parse_topic(m.topic).channel, m.payload, time.monotonic())
+        )
         connect_and_wait(self.client, host, port)
         self.client.subscribe([(self.topics.all_devices(c), QOS) for c in ("hello", "result")])
         time.sleep(0.2)
@@ -143,25 +161,46 @@ def broker():
 
 def test_an_emulated_slow_board_takes_at_least_what_the_replay_predicts(broker, tmp_path: Path) -> None:
     server = Server(broker.host, broker.port)
-    config = agent_config_from_dict({
-        "broker": {"url": broker.url, "fleet": FLEET},
-        "device": {"id": DEVICE, "emulate_trace": str(write_trace(tmp_path / "fleet.jsonl")),
-                   "emulate_device": "slow-pi"},
-        "agent": {"heartbeat_s": 0.5, "chunk_kb": 4},
-    })
-    data = ClientData(torch.randn(30, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(30) % 10)
+    config = agent_config_from_dict(
+        {
+            "broker": {"url": broker.url, "fleet": FLEET},
+            "device": {
+                "id": DEVICE,
+                "emulate_trace": str(write_trace(tmp_path / "fleet.jsonl")),
+                "emulate_device": "slow-pi",
+            },
+            "agent": {"heartbeat_s": 0.5, "chunk_kb": 4},
+        }
+    )
+    data = ClientData(
+        torch.randn(30, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(30) % 10
+    )
     agent = Agent(config, data, emulation=resolve_emulation(config.device)).start()
     try:
         _, profile = decode_hello(server.next("hello")[0])
-        assert profile["emulating"] == {"class": "rpi4", "trace_device": "slow-pi", "gflops": 0.1,
-                                        "up_bps": 2e6, "down_bps": 4e6, "latency_s": 0.05}
-        ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=1,
-                              total_rounds=1, local={"local_epochs": 1, "batch_size": 8})
+        assert profile["emulating"] == {
+            "class": "rpi4",
+            "trace_device": "slow-pi",
+            "gflops": 0.1,
+            "up_bps": 2e6,
+            "down_bps": 4e6,
+            "latency_s": 0.05,
+        }
+        ctx = StrategyContext(
+            arch="tinycnn",
+            num_classes=10,
+            in_channels=1,
+            image_size=16,
+            num_clients=1,
+            total_rounds=1,
+            local={"local_epochs": 1, "batch_size": 8},
+        )
         task = create_strategy("fedavg", ctx).assign(0, [DeviceInfo(DEVICE, 0, 30)])[DEVICE]
         predicted = TraceDurations({DEVICE: SLOW}, {DEVICE: 30}, (1, 16, 16)).cost(task)
         assert 0.5 < predicted.total_s < 3.0 and predicted.compute_s > 0.5  # each phase is felt
-        server.publish(server.topics.server_status, encode_server_status(ServerStatus("s1", "training", 0)),
-                       retain=True)
+        server.publish(
+            server.topics.server_status, encode_server_status(ServerStatus("s1", "training", 0)), retain=True
+        )
         server.next("hello")  # the agent greets the new server session
         chunks = split_into_chunks("task-emul", encode_task(task, "s1"), 4096)
         assert len(chunks) > 1

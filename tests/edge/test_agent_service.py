@@ -21,7 +21,9 @@ def test_the_unit_restarts_the_agent_after_the_network_is_up():
 
 
 def test_install_service_writes_the_unit_for_a_valid_config(tmp_path, capsys):
-    assert agent_main(["install-service", "--config", str(EXAMPLE), "--out", str(tmp_path), "--user", "pi"]) == 0
+    assert (
+        agent_main(["install-service", "--config", str(EXAMPLE), "--out", str(tmp_path), "--user", "pi"]) == 0
+    )
     assert (tmp_path / UNIT_NAME).read_text() == unit_text(EXAMPLE, user="pi")
     assert "systemctl enable --now" in capsys.readouterr().out
 

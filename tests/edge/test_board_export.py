@@ -38,8 +38,15 @@ TENSORRT_HERE = importlib.util.find_spec("tensorrt") is not None and _cuda_avail
 
 def nefl_order(device_id: str = "board-1", tier: int = 1) -> ExportOrder:
     """The order the server sends after a NeFL-WD run on digits: tier `tier`'s weights and its own BN."""
-    ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=5,
-                          total_rounds=2, dataset="digits")
+    ctx = StrategyContext(
+        arch="tinycnn",
+        num_classes=10,
+        in_channels=1,
+        image_size=16,
+        num_clients=5,
+        total_rounds=2,
+        dataset="digits",
+    )
     strategy = create_strategy("nefl-wd", ctx)
     board = DeviceInfo(device_id, 0, 100, profile={"tier": tier})
     return export_orders(strategy, [board], 1, "all")[0]
@@ -50,18 +57,32 @@ def test_an_order_becomes_a_bundle_that_infer_runs_and_a_report_that_matches_it(
     order = nefl_order()
     report = export_on_board(order, settings, fleet="lab", device_id="board-1", data=DIGITS)
     assert report.status == "ok", report.error
-    assert (report.order_id, report.spec_id, report.submodel, report.models) == \
-        (order.order_id, order.spec_id, "k2", ["onnx"])
+    assert (report.order_id, report.spec_id, report.submodel, report.models) == (
+        order.order_id,
+        order.spec_id,
+        "k2",
+        ["onnx"],
+    )
     folder = tmp_path / "bundle"
     assert report.bundle == str(folder.resolve())
     assert report.files == {name: sha256_file(folder / name) for name in ("model.onnx", "bundle.json")}
-    assert report.parity["onnx_fp32"]["max_rel"] <= 1e-4 and report.parity["onnx_fp32"]["top1_agreement"] == 1.0
+    assert (
+        report.parity["onnx_fp32"]["max_rel"] <= 1e-4 and report.parity["onnx_fp32"]["top1_agreement"] == 1.0
+    )
     assert set(report.latency_ms) == {"batch_1", "batch_32"} and report.accuracy["samples"] == 100
     assert report.tensorrt == {"requested": False, "built": False, "reason": None}
     manifest = read_bundle(folder)
-    assert manifest["source"] == {"fleet": "lab", "device": "board-1", "method": "nefl-wd", "round": 1,
-                                  "order": order.order_id, "submodel": "k2"}
-    assert manifest["input"]["normalization"] is not None  # real digits: images can be fed to `nestling infer`
+    assert manifest["source"] == {
+        "fleet": "lab",
+        "device": "board-1",
+        "method": "nefl-wd",
+        "round": 1,
+        "order": order.order_id,
+        "submodel": "k2",
+    }
+    assert (
+        manifest["input"]["normalization"] is not None
+    )  # real digits: images can be fed to `nestling infer`
     x = np.random.default_rng(0).standard_normal((3, 1, 16, 16)).astype(np.float32)
     assert BundleRunner(folder).run(x).shape == (3, 10)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-built folder left behind
@@ -74,8 +95,9 @@ def test_tensorrt_asked_for_but_absent_still_ships_onnx_and_says_why(tmp_path):
     assert report.status == "ok" and report.models == ["onnx"] and (tmp_path / "b" / "model.onnx").is_file()
     assert report.tensorrt["requested"] is True and report.tensorrt["built"] is False
     assert report.tensorrt["precision"] == "fp16"
-    assert report.tensorrt["reason"].startswith("TensorRT skipped, ONNX only: TensorRT export needs tensorrt and "
-                                                "an NVIDIA GPU")
+    assert report.tensorrt["reason"].startswith(
+        "TensorRT skipped, ONNX only: TensorRT export needs tensorrt and an NVIDIA GPU"
+    )
     assert "model.plan" not in report.files and read_bundle(tmp_path / "b")["tensorrt"] is None
 
 
@@ -106,7 +128,9 @@ def test_a_new_bundle_replaces_the_old_folder_whole(tmp_path):
     built.mkdir()
     (built / "model.onnx").write_text("new")
     replace_folder(built, out)
-    assert [p.name for p in out.iterdir()] == ["model.onnx"] and [p.name for p in tmp_path.iterdir()] == ["bundle"]
+    assert [p.name for p in out.iterdir()] == ["model.onnx"] and [p.name for p in tmp_path.iterdir()] == [
+        "bundle"
+    ]
 
 
 def test_agent_toml_export_table(tmp_path):
@@ -118,11 +142,15 @@ def test_agent_toml_export_table(tmp_path):
     assert settings.advertised() == {"on_finish": True, "format": "tensorrt"}
     assert settings.bundle_dir("lab", "b") == tmp_path / "bundles" / "here"
     assert ExportSection().bundle_dir("lab", "b") == Path.home() / ".nestling" / "bundles" / "lab" / "b"
-    for table, message in (({"format": "coreml"}, "format must be one of onnx, tensorrt"),
-                           ({"precision": "fp8"}, "precision"), ({"quantize": "int4"}, "quantize"),
-                           ({"quantize": "int8", "calib_data": "none"}, "needs calibration images"),
-                           ({"calib_samples": 0}, "calib_samples"), ({"on_finish": "yes"}, "on_finish must be bool"),
-                           ({"engine": "trt"}, "unknown keys")):
+    for table, message in (
+        ({"format": "coreml"}, "format must be one of onnx, tensorrt"),
+        ({"precision": "fp8"}, "precision"),
+        ({"quantize": "int4"}, "quantize"),
+        ({"quantize": "int8", "calib_data": "none"}, "needs calibration images"),
+        ({"calib_samples": 0}, "calib_samples"),
+        ({"on_finish": "yes"}, "on_finish must be bool"),
+        ({"engine": "trt"}, "unknown keys"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load(table)
 
@@ -137,15 +165,22 @@ def broker():
 def test_the_agent_exports_on_its_worker_and_answers_a_repeated_order_without_rebuilding(broker, tmp_path):
     topics = FleetTopics("boards")
     client = make_client("server-boards", will=(topics.server_status, OFFLINE, True))
-    transport = MqttTransport(client, topics, DeviceRegistry(heartbeat_timeout_s=30), WallClock(),
-                              TransportSettings(chunk_size=2048, stall_s=0.3, device_wait_s=10))
+    transport = MqttTransport(
+        client,
+        topics,
+        DeviceRegistry(heartbeat_timeout_s=30),
+        WallClock(),
+        TransportSettings(chunk_size=2048, stall_s=0.3, device_wait_s=10),
+    )
     transport.connect(broker.host, broker.port)
-    config = agent_config_from_dict({
-        "broker": {"url": broker.url, "fleet": "boards"},
-        "device": {"id": "board-1", "tier": 1},
-        "agent": {"heartbeat_s": 0.3, "stall_s": 0.3},
-        "export": {"on_finish": True, "out_dir": str(tmp_path / "bundle"), "calib_data": "none"},
-    })
+    config = agent_config_from_dict(
+        {
+            "broker": {"url": broker.url, "fleet": "boards"},
+            "device": {"id": "board-1", "tier": 1},
+            "agent": {"heartbeat_s": 0.3, "stall_s": 0.3},
+            "export": {"on_finish": True, "out_dir": str(tmp_path / "bundle"), "calib_data": "none"},
+        }
+    )
     data = ClientData(torch.randn(20, 1, 16, 16), torch.arange(20) % 10)
     agent = Agent(config, data).start()
     try:

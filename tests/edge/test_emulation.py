@@ -65,7 +65,9 @@ def test_a_trace_device_is_emulated_with_its_own_figures() -> None:
     trace = DeviceTrace("pi-7", "rpi4", 2**30, up_bps=4e6, down_bps=8e6, latency_s=0.03, gflops=5.0)
     figures = SpeedFigures.from_trace(trace)
     assert figures == SpeedFigures(sustained_gflops=5.0, up_bps=4e6, down_bps=8e6, latency_s=0.03)
-    measured_only = SpeedFigures.from_trace(DeviceTrace("x", "fedscale", 1, 1.0, 1.0, 0.0, block_latency_s={"*": 0.1}))
+    measured_only = SpeedFigures.from_trace(
+        DeviceTrace("x", "fedscale", 1, 1.0, 1.0, 0.0, block_latency_s={"*": 0.1})
+    )
     assert measured_only.sustained_gflops is None and measured_only.block_latency_s == {"*": 0.1}
     with pytest.raises(ValueError, match="sustained_gflops is needed unless block_latency_s"):
         SpeedFigures(sustained_gflops=None, up_bps=1.0, down_bps=1.0)
@@ -76,8 +78,9 @@ def test_a_trace_device_with_only_measured_latency_is_paced_as_the_replay_predic
     from nestling.edge.emulation import EmulationTarget, TaskPacer
     from nestling.simulator.durations import TraceDurations
 
-    trace = DeviceTrace("fs-3", "fedscale", 2**30, up_bps=4e6, down_bps=8e6, latency_s=0.0,
-                        block_latency_s={"tinycnn": 0.02})
+    trace = DeviceTrace(
+        "fs-3", "fedscale", 2**30, up_bps=4e6, down_bps=8e6, latency_s=0.0, block_latency_s={"tinycnn": 0.02}
+    )
     half = SubmodelSpec(ModelConfig("tinycnn", num_classes=4, in_channels=3, image_size=8), width=0.5)
     task = _task_on(half, {"local_epochs": 1, "batch_size": 8})  # 30 samples: 8+8+8+6
     predicted = TraceDurations({"dev-00000": trace}, {"dev-00000": 30}, (3, 8, 8)).cost(task)
@@ -103,8 +106,15 @@ class FakeClock:
 
 
 def _task_on(spec: SubmodelSpec, hparams: dict) -> Task:
-    return Task(round=3, device_id="dev-00000", spec=spec.to_dict(), weights=build(spec).state_dict(),
-                procedure="sgd", hparams=hparams, task_id="r3-dev-00000")
+    return Task(
+        round=3,
+        device_id="dev-00000",
+        spec=spec.to_dict(),
+        weights=build(spec).state_dict(),
+        procedure="sgd",
+        hparams=hparams,
+        task_id="r3-dev-00000",
+    )
 
 
 def test_an_emulating_agent_paces_each_phase_to_what_the_replay_predicts() -> None:
@@ -121,13 +131,22 @@ def test_an_emulating_agent_paces_each_phase_to_what_the_replay_predicts() -> No
     first_chunk_at = clock.now
     clock.now += 0.01  # the rest of the task's chunks arrived 10 ms later
     down = pacer.download(task, first_chunk_at)
-    assert down.down_s == pytest.approx(predicted.down_s) and sleeps[-1] == pytest.approx(predicted.down_s - 0.01)
+    assert down.down_s == pytest.approx(predicted.down_s) and sleeps[-1] == pytest.approx(
+        predicted.down_s - 0.01
+    )
     trained = pacer.compute(task, 30, measured_s=0.2)
     assert trained.compute_s == pytest.approx(predicted.compute_s)
     assert predicted.compute_s == pytest.approx(count_macs(build(spec), (3, 8, 8)) * 6 * 60 / 0.05e9)
     assert sleeps[-1] == pytest.approx(predicted.compute_s - 0.2)
-    result = Result(round=3, device_id="dev-00000", task_id=task.task_id, spec_id=spec.id, weights=task.weights,
-                    num_samples=30, metrics={})
+    result = Result(
+        round=3,
+        device_id="dev-00000",
+        task_id=task.task_id,
+        spec_id=spec.id,
+        weights=task.weights,
+        num_samples=30,
+        metrics={},
+    )
     clock.now += 0.005  # encoding the result is part of sending it
     sent = pacer.upload(result, started=clock.now - 0.005)
     assert payload_bytes(result.weights) == payload_bytes(task.weights)
@@ -141,7 +160,9 @@ def test_a_host_slower_than_the_emulated_board_is_reported_per_task() -> None:
 
     spec = SubmodelSpec(ModelConfig("tinycnn", num_classes=4, in_channels=3, image_size=8))
     task = _task_on(spec, {"local_steps": 1, "batch_size": 4})
-    pacer = TaskPacer(EmulationTarget("fast", board(gflops=1e6)), (3, 8, 8), sleep=Sleeps(), clock=FakeClock())
+    pacer = TaskPacer(
+        EmulationTarget("fast", board(gflops=1e6)), (3, 8, 8), sleep=Sleeps(), clock=FakeClock()
+    )
     record = pacer.compute(task, 30, measured_s=1.0)
     assert record.slept_s == 0.0 and record.overrun_s == pytest.approx(1.0 - record.compute_s)
 
@@ -150,8 +171,13 @@ def test_a_board_class_or_a_trace_device_is_described_for_the_hello() -> None:
     from nestling.edge.emulation import EmulationTarget
 
     rpi4 = EmulationTarget.of_board(get_board("rpi4"))
-    assert rpi4.describe() == {"class": "rpi4", "trace_device": None, "gflops": get_board("rpi4").sustained_gflops,
-                               "up_bps": get_board("rpi4").up_bps, "down_bps": get_board("rpi4").down_bps,
-                               "latency_s": get_board("rpi4").latency_s}
+    assert rpi4.describe() == {
+        "class": "rpi4",
+        "trace_device": None,
+        "gflops": get_board("rpi4").sustained_gflops,
+        "up_bps": get_board("rpi4").up_bps,
+        "down_bps": get_board("rpi4").down_bps,
+        "latency_s": get_board("rpi4").latency_s,
+    }
     trace = DeviceTrace("pi-7", "rpi4", 2**30, up_bps=4e6, down_bps=8e6, latency_s=0.03, gflops=5.0)
     assert EmulationTarget.of_trace(trace).describe()["trace_device"] == "pi-7"

@@ -46,8 +46,15 @@ def test_bf16_local_training_follows_fp32_training() -> None:
     from nestling.server.strategies import StrategyContext, create_strategy
     from nestling.server.strategies.base import DeviceInfo
 
-    ctx = StrategyContext(arch="tinycnn", num_classes=4, in_channels=1, image_size=8, num_clients=1, total_rounds=1,
-                          local={"local_steps": 30, "batch_size": 16, "lr": 0.1})
+    ctx = StrategyContext(
+        arch="tinycnn",
+        num_classes=4,
+        in_channels=1,
+        image_size=8,
+        num_clients=1,
+        total_rounds=1,
+        local={"local_steps": 30, "batch_size": 16, "lr": 0.1},
+    )
     strategy = create_strategy("fedavg", ctx)
     task = strategy.assign(0, [DeviceInfo("dev-0", 0, 64)])["dev-0"]
     generator = torch.Generator().manual_seed(1)
@@ -65,7 +72,10 @@ def test_bf16_local_training_follows_fp32_training() -> None:
 
 
 def test_unknown_precision_is_refused_with_the_allowed_values() -> None:
-    with pytest.raises(ConfigError, match="precision must be one of fp32, bf16"), task_precision({"precision": "fp16"}, "cpu"):
+    with (
+        pytest.raises(ConfigError, match="precision must be one of fp32, bf16"),
+        task_precision({"precision": "fp16"}, "cpu"),
+    ):
         pass
     with pytest.raises(ConfigError, match="precision must be one of fp32, bf16"):
         load_config(None, {"train.precision": "int4"})

@@ -12,17 +12,25 @@ from nestling.errors import NestlingError
 
 def test_nested_stores_round_trip_with_any_characters_in_names() -> None:
     stores = {
-        "dev/1 \"odd\"": DeviceStore({"aux_model_0": {"blocks.0.conv.weight": torch.randn(2, 3),
-                                                      "bn.num_batches_tracked": torch.tensor(5)},
-                                      "feddyn_h": {"head.fc.weight": torch.zeros(4)}}),
+        'dev/1 "odd"': DeviceStore(
+            {
+                "aux_model_0": {
+                    "blocks.0.conv.weight": torch.randn(2, 3),
+                    "bn.num_batches_tracked": torch.tensor(5),
+                },
+                "feddyn_h": {"head.fc.weight": torch.zeros(4)},
+            }
+        ),
         "dev-2": DeviceStore({"salience": torch.arange(3.0)}),
         "dev-3": DeviceStore(),  # empty: nothing to keep
     }
     back = stores_from_tensors(stores_to_tensors(stores))
-    assert set(back) == {"dev/1 \"odd\"", "dev-2"}
+    assert set(back) == {'dev/1 "odd"', "dev-2"}
     assert isinstance(back["dev-2"], DeviceStore)
-    aux = back["dev/1 \"odd\""]["aux_model_0"]
-    assert torch.equal(aux["blocks.0.conv.weight"], stores["dev/1 \"odd\""]["aux_model_0"]["blocks.0.conv.weight"])
+    aux = back['dev/1 "odd"']["aux_model_0"]
+    assert torch.equal(
+        aux["blocks.0.conv.weight"], stores['dev/1 "odd"']["aux_model_0"]["blocks.0.conv.weight"]
+    )
     assert aux["bn.num_batches_tracked"].dtype == torch.int64 and int(aux["bn.num_batches_tracked"]) == 5
     assert torch.equal(back["dev-2"]["salience"], torch.arange(3.0))
 

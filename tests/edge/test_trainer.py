@@ -23,24 +23,39 @@ def global_state() -> dict[str, torch.Tensor]:
 
 
 def data() -> ClientData:
-    return ClientData(torch.randn(12, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(12) % 4)
+    return ClientData(
+        torch.randn(12, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(12) % 4
+    )
 
 
 def task_for(spec: SubmodelSpec, global_state: dict, *, seed: int = 1, procedure: str = "sgd", **hp) -> Task:
-    return Task(round=2, device_id="dev-00001", spec=spec.to_dict(), weights=extract(global_state, spec),
-                procedure=procedure, hparams={"lr": 0.05, "batch_size": 4, "local_steps": 3, "seed": seed, **hp},
-                task_id="r2-dev-00001")
+    return Task(
+        round=2,
+        device_id="dev-00001",
+        spec=spec.to_dict(),
+        weights=extract(global_state, spec),
+        procedure=procedure,
+        hparams={"lr": 0.05, "batch_size": 4, "local_steps": 3, "seed": seed, **hp},
+        task_id="r2-dev-00001",
+    )
 
 
 def test_result_carries_exactly_the_slice_of_the_task(global_state: dict) -> None:
     spec = SubmodelSpec(MODEL, width=0.5, blocks=(0, 2, 3, 6))
     task = task_for(spec, global_state)
     result = run_task(task, data())
-    assert (result.round, result.device_id, result.task_id, result.spec_id) == (2, "dev-00001", task.task_id, spec.id)
+    assert (result.round, result.device_id, result.task_id, result.spec_id) == (
+        2,
+        "dev-00001",
+        task.task_id,
+        spec.id,
+    )
     assert {k: tuple(v.shape) for k, v in result.weights.items()} == shapes_for(spec)
     assert result.num_samples == 12 and result.metrics["steps"] == 3
     assert result.metrics["train_seconds"] > 0 and result.metrics["loss_first"] is not None
-    changed = [k for k, v in result.weights.items() if v.is_floating_point() and not torch.equal(v, task.weights[k])]
+    changed = [
+        k for k, v in result.weights.items() if v.is_floating_point() and not torch.equal(v, task.weights[k])
+    ]
     assert "blocks.0.conv1.weight" in changed and "head.fc.bias" in changed
 
 
@@ -53,8 +68,17 @@ def test_the_task_seed_makes_training_reproducible(global_state: dict) -> None:
 
 
 def test_parameters_without_gradient_are_not_uploaded() -> None:
-    model = ModelConfig("resnet20", num_classes=4, image_size=8, exit_points=(2,), exit_kind="scalefl", scaler="always",
-                        norm_stats="batch", rounding="floor", learnable_step=False)
+    model = ModelConfig(
+        "resnet20",
+        num_classes=4,
+        image_size=8,
+        exit_points=(2,),
+        exit_kind="scalefl",
+        scaler="always",
+        norm_stats="batch",
+        rounding="floor",
+        learnable_step=False,
+    )
     torch.manual_seed(0)
     spec = SubmodelSpec(model, width=0.5, depth=3, exits=(2,), head=False)
     state = build(SubmodelSpec.full(model)).state_dict()

@@ -22,7 +22,11 @@ torch.set_num_threads(1)
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
-CIFAR_TEST = Path(os.environ.get("NESTLING_DATA_ROOT", Path(__file__).resolve().parents[3] / "shared" / "data")) / "cifar10" / "test.npz"
+CIFAR_TEST = (
+    Path(os.environ.get("NESTLING_DATA_ROOT", Path(__file__).resolve().parents[3] / "shared" / "data"))
+    / "cifar10"
+    / "test.npz"
+)
 
 
 def _context(dataset: str = "cifar10") -> StrategyContext:

@@ -82,11 +82,39 @@ def test_infer_in_a_torchless_venv_matches_pytorch_top1_on_100_images(
 
     # Nestling installed as a board would (its wheel, no dependencies): no torch to fall back on.
     wheels = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-                    str(REPO)], check=True, capture_output=True, timeout=300)
-    subprocess.run([str(_python(venv)), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps",
-                    "--force-reinstall", *map(str, wheels.glob("nestling-*.whl"))], check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    subprocess.run(
+        [
+            str(_python(venv)),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-q",
+            "--no-deps",
+            "--force-reinstall",
+            *map(str, wheels.glob("nestling-*.whl")),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     env = {"PATH": os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [str(_python(venv)), "-m", "nestling.export.infer", "--bundle", str(bundle), *map(str, images)],

@@ -20,7 +20,9 @@ def contribution(tensors: dict[str, torch.Tensor], weight: float = 1.0) -> Contr
     return Contribution(tensors, {k: region_of(tuple(v.shape)) for k, v in tensors.items()}, weight)
 
 
-def brute_force(old: torch.Tensor, clients: list[tuple[torch.Tensor, float, np.ndarray | None]]) -> torch.Tensor:
+def brute_force(
+    old: torch.Tensor, clients: list[tuple[torch.Tensor, float, np.ndarray | None]]
+) -> torch.Tensor:
     """Element by element, straight from the formula (slow, obviously right)."""
     out = old.clone().double()
     for index in itertools.product(*(range(n) for n in old.shape)):
@@ -74,8 +76,12 @@ def test_masked_mean_does_not_depend_on_client_order(draw, random) -> None:
     contributions = [contribution({"w": t}, w) for t, w, _ in clients]
     shuffled = list(contributions)
     random.shuffle(shuffled)
-    torch.testing.assert_close(masked_mean({"w": old}, contributions)["w"], masked_mean({"w": old}, shuffled)["w"],
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        masked_mean({"w": old}, contributions)["w"],
+        masked_mean({"w": old}, shuffled)["w"],
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 def test_all_clients_on_the_full_model_is_exactly_fedavg() -> None:
@@ -88,7 +94,9 @@ def test_all_clients_on_the_full_model_is_exactly_fedavg() -> None:
     for key in old:
         fedavg = sum(n * s[key] for s, n in zip(states, sizes)) / sum(sizes)
         torch.testing.assert_close(weighted[key], fedavg, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(uniform[key], torch.stack([s[key] for s in states]).mean(0), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            uniform[key], torch.stack([s[key] for s in states]).mean(0), rtol=1e-6, atol=1e-7
+        )
 
 
 def test_elements_outside_every_submodel_keep_their_exact_value() -> None:
@@ -121,13 +129,17 @@ def test_row_masks_leave_rows_no_client_holds_untouched() -> None:
 
 def test_integer_counters_are_not_float_averaged() -> None:
     old = {"n": torch.tensor(5)}
-    result = masked_mean(old, [contribution({"n": torch.tensor(7)}), contribution({"n": torch.tensor(9)})])["n"]
+    result = masked_mean(old, [contribution({"n": torch.tensor(7)}), contribution({"n": torch.tensor(9)})])[
+        "n"
+    ]
     assert result.dtype == torch.int64 and int(result) == 9
 
 
 def test_data_weights_enter_the_mean() -> None:
     """a_k = n_k (FjORD, FedAvg): a client with three times the data counts three times."""
-    contributions = [Contribution({"w": torch.ones(2)}, {"w": region_of((2,))}, 3.0),
-                     Contribution({"w": torch.zeros(2)}, {"w": region_of((2,))}, 1.0)]
+    contributions = [
+        Contribution({"w": torch.ones(2)}, {"w": region_of((2,))}, 3.0),
+        Contribution({"w": torch.zeros(2)}, {"w": region_of((2,))}, 1.0),
+    ]
     weighted = masked_mean({"w": torch.zeros(2)}, contributions)["w"]
     torch.testing.assert_close(weighted, torch.full((2,), 0.75))

@@ -14,8 +14,13 @@ from nestling.cli import main
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """The real console entry point in a fresh interpreter, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "nestling.cli", *args], capture_output=True, text=True,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "nestling.cli", *args],
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -30,14 +35,18 @@ def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["simulate", "--method", "nefl-xd", "--rounds", "1"], "unknown method 'nefl-xd'"),
         (["simulate", "--model", "resnet21", "--rounds", "1"], "unknown model 'resnet21'"),
         (["simulate", "--dataset", "cifar10", "--data-root", "/nonexistent/cifar"], "/nonexistent/cifar"),
-        (["simulate", "--method", "fedavg", "--set", "method.width=0", "--rounds", "1"], "width must be in (0, 1]"),
+        (
+            ["simulate", "--method", "fedavg", "--set", "method.width=0", "--rounds", "1"],
+            "width must be in (0, 1]",
+        ),
         (["simulate", "--fraction", "1.5"], "fraction must be in (0, 1]"),
         (["simulate", "--set", "bogus.key=1"], "unknown config sections"),
         (["frobnicate"], "unknown command 'frobnicate'"),
     ],
 )
-def test_bad_input_is_one_clear_line(args: list[str], needle: str, tmp_path: Path,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_clear_line(
+    args: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     extra = ["--out", str(tmp_path / "out"), "--quiet"] if args[0] == "simulate" else []
     code, err = run_main(capsys, *args, *extra)
     assert code == 2
@@ -64,9 +73,31 @@ def test_malformed_config_file_names_the_file(tmp_path: Path, capsys: pytest.Cap
 def test_simulate_writes_the_documented_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A real (tiny) federated run end to end through the command line."""
     out = tmp_path / "run"
-    code, err = run_main(capsys, "simulate", "--method", "nefl-wd", "--model", "tinycnn", "--dataset", "synthetic",
-                         "--clients", "6", "--fraction", "0.5", "--rounds", "2", "--local-steps", "3", "--workers", "1",
-                         "--eval-every", "1", "--quiet", "--out", str(out))
+    code, err = run_main(
+        capsys,
+        "simulate",
+        "--method",
+        "nefl-wd",
+        "--model",
+        "tinycnn",
+        "--dataset",
+        "synthetic",
+        "--clients",
+        "6",
+        "--fraction",
+        "0.5",
+        "--rounds",
+        "2",
+        "--local-steps",
+        "3",
+        "--workers",
+        "1",
+        "--eval-every",
+        "1",
+        "--quiet",
+        "--out",
+        str(out),
+    )
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
     for key in ("worst_accuracy", "avg_accuracy", "train_seconds", "wall_seconds", "submodels"):

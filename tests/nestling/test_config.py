@@ -18,7 +18,9 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_a_valid_file_is_read_into_typed_sections_with_overrides_on_top(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 [run]
 rounds = 3
 [data]
@@ -32,12 +34,20 @@ flex = 1
 [train]
 lr = 1
 milestones = [0.5]
-""")
+""",
+    )
     cfg = load_config(path, {"train.batch_size": 8, "run.seed": None})
     assert isinstance(cfg, SimConfig)
-    assert (cfg.run.rounds, cfg.data.dataset, cfg.data.clients, cfg.model.arch) == (3, "synthetic", 6, "tinycnn")
+    assert (cfg.run.rounds, cfg.data.dataset, cfg.data.clients, cfg.model.arch) == (
+        3,
+        "synthetic",
+        6,
+        "tinycnn",
+    )
     assert cfg.method.name == "nefl-wd" and cfg.method.options == {"flex": 1}
-    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # ints are accepted where floats are expected
+    assert cfg.train.lr == 1.0 and isinstance(
+        cfg.train.lr, float
+    )  # ints are accepted where floats are expected
     assert cfg.train.batch_size == 8 and cfg.run.seed == 0  # a None override leaves the default
 
 
@@ -47,8 +57,9 @@ def test_defaults_alone_form_a_valid_config() -> None:
 
 
 def test_optional_fields_accept_their_type_and_coerce_ints_to_floats() -> None:
-    cfg = config_from_dict({"data": {"augment": False, "limit_train": 100}, "run": {"deadline_s": 5},
-                            "train": {"grad_clip": 1}})
+    cfg = config_from_dict(
+        {"data": {"augment": False, "limit_train": 100}, "run": {"deadline_s": 5}, "train": {"grad_clip": 1}}
+    )
     assert cfg.data.augment is False and cfg.data.limit_train == 100
     assert cfg.run.deadline_s == 5.0 and isinstance(cfg.run.deadline_s, float) and cfg.train.grad_clip == 1.0
 
@@ -64,20 +75,26 @@ def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml")
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    ({"bogus": {}}, r"unknown config sections \['bogus'\]"),
-    ({"train": {"learning_rate": 0.1}}, r"\[train\] unknown keys \['learning_rate'\]"),
-    ({"train": {"lr": "fast"}}, r"\[train\] lr must be float"),
-    ({"run": {"rounds": True}}, r"\[run\] rounds must be a number"),
-    ({"data": {"augment": "yes"}}, r"\[data\] augment must be true or false"),  # optional fields are typed too
-    ({"data": {"limit_train": "all"}}, r"\[data\] limit_train must be int"),
-    ({"train": "fast"}, r"\[train\] must be a table"),
-    ({"run": {"rounds": 0}}, r"\[run\] rounds must be >= 1"),
-    ({"train": {"fraction": 0.0}}, r"\[train\] fraction must be in \(0, 1\]"),
-    ({"run": {"quorum": 1.5}}, r"\[run\] quorum"),
-    ({"run": {"over_selection": 0.5}}, r"\[run\] over_selection"),
-    ({"data": {"alpha": 0}}, r"\[data\] alpha"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"bogus": {}}, r"unknown config sections \['bogus'\]"),
+        ({"train": {"learning_rate": 0.1}}, r"\[train\] unknown keys \['learning_rate'\]"),
+        ({"train": {"lr": "fast"}}, r"\[train\] lr must be float"),
+        ({"run": {"rounds": True}}, r"\[run\] rounds must be a number"),
+        (
+            {"data": {"augment": "yes"}},
+            r"\[data\] augment must be true or false",
+        ),  # optional fields are typed too
+        ({"data": {"limit_train": "all"}}, r"\[data\] limit_train must be int"),
+        ({"train": "fast"}, r"\[train\] must be a table"),
+        ({"run": {"rounds": 0}}, r"\[run\] rounds must be >= 1"),
+        ({"train": {"fraction": 0.0}}, r"\[train\] fraction must be in \(0, 1\]"),
+        ({"run": {"quorum": 1.5}}, r"\[run\] quorum"),
+        ({"run": {"over_selection": 0.5}}, r"\[run\] over_selection"),
+        ({"data": {"alpha": 0}}, r"\[data\] alpha"),
+    ],
+)
 def test_bad_sections_keys_types_and_ranges_name_what_is_wrong(data: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_from_dict(data)
@@ -86,7 +103,9 @@ def test_bad_sections_keys_types_and_ranges_name_what_is_wrong(data: dict, messa
 def test_unknown_method_lists_the_known_ones(make_ctx) -> None:
     with pytest.raises(ConfigError, match=r"unknown method 'nefl-xd' \(known: .*fedavg.*nefl-wd"):
         create_strategy("nefl-xd", make_ctx())
-    assert {"fedavg", "heterofl", "fjord", "depthfl", "scalefl", "nefl-w", "nefl-d", "nefl-wd"} <= set(STRATEGIES)
+    assert {"fedavg", "heterofl", "fjord", "depthfl", "scalefl", "nefl-w", "nefl-d", "nefl-wd"} <= set(
+        STRATEGIES
+    )
 
 
 def test_unknown_method_option_is_refused_with_the_known_options(make_ctx) -> None:
@@ -122,4 +141,6 @@ def test_a_missing_data_directory_is_a_data_error_naming_it(tmp_path: Path) -> N
     missing = tmp_path / "no-such-cifar"
     cfg = config_from_dict({"data": {"dataset": "cifar10", "root": str(missing)}})
     with pytest.raises(DataError, match="no-such-cifar"):
-        load_fleet_data(cfg.data.dataset, cfg.data.root, cfg.run.seed, cfg.data.partition, cfg.data.clients, {})
+        load_fleet_data(
+            cfg.data.dataset, cfg.data.root, cfg.run.seed, cfg.data.partition, cfg.data.clients, {}
+        )

@@ -12,8 +12,10 @@ from nestling.aggregation import Contribution, masked_mean, robust_rule
 def nested(values: list[float], sizes: list[int], weights: list[float] | None = None) -> list[Contribution]:
     """Contributions of a length-4 vector whose k-th client holds only its first sizes[k] elements."""
     weights = weights or [1.0] * len(values)
-    return [Contribution({"w": torch.full((n,), v)}, {"w": (slice(0, n),)}, weight)
-            for v, n, weight in zip(values, sizes, weights, strict=True)]
+    return [
+        Contribution({"w": torch.full((n,), v)}, {"w": (slice(0, n),)}, weight)
+        for v, n, weight in zip(values, sizes, weights, strict=True)
+    ]
 
 
 def test_median_uses_only_the_clients_that_hold_each_element() -> None:
@@ -36,8 +38,12 @@ def test_trimmed_mean_drops_the_extremes_per_element_and_ignores_weights() -> No
 def test_robust_rules_respect_row_masks_and_leave_unheld_elements() -> None:
     old = {"w": torch.full((3, 2), 5.0)}
     held_rows = torch.tensor([True, False, False])
-    group = [Contribution({"w": torch.full((3, 2), 1.0)}, {"w": (slice(0, 3), slice(0, 2))}, 1.0, {"w": held_rows}),
-             Contribution({"w": torch.full((2, 2), 3.0)}, {"w": (slice(0, 2), slice(0, 2))}, 1.0)]
+    group = [
+        Contribution(
+            {"w": torch.full((3, 2), 1.0)}, {"w": (slice(0, 3), slice(0, 2))}, 1.0, {"w": held_rows}
+        ),
+        Contribution({"w": torch.full((2, 2), 3.0)}, {"w": (slice(0, 2), slice(0, 2))}, 1.0),
+    ]
     with robust_rule("median"):
         new = masked_mean(old, group)["w"]
     assert new.tolist() == [[2.0, 2.0], [3.0, 3.0], [5.0, 5.0]]  # row 2: nobody holds it

@@ -26,10 +26,13 @@ def test_constant_cosine_and_exponential_schedules() -> None:
     assert math.isclose(depthfl.at(0, 1000), 0.1)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"kind": "sawtooth"}, "unknown lr schedule 'sawtooth'"),
-    ({"lr": 0.0}, "lr must be > 0"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kind": "sawtooth"}, "unknown lr schedule 'sawtooth'"),
+        ({"lr": 0.0}, "lr must be > 0"),
+    ],
+)
 def test_bad_schedules_are_config_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         LrSchedule(**kwargs)

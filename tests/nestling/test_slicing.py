@@ -61,13 +61,18 @@ def test_extract_then_scatter_is_the_identity(global_state: dict[str, torch.Tens
 def test_scatter_writes_only_the_submodel_region(global_state: dict[str, torch.Tensor]) -> None:
     spec = SubmodelSpec(MODEL, width=0.5, blocks=(0, 1))
     target = {k: v.clone() for k, v in global_state.items()}
-    sub = {k: torch.full_like(v, 7.0) if v.is_floating_point() else v for k, v in extract(global_state, spec).items()}
+    sub = {
+        k: torch.full_like(v, 7.0) if v.is_floating_point() else v
+        for k, v in extract(global_state, spec).items()
+    }
     scatter(target, sub, spec)
     w = target["blocks.0.conv1.weight"]
     assert (w[:8, :8] == 7).all()
     assert torch.equal(w[8:], global_state["blocks.0.conv1.weight"][8:])
     assert torch.equal(w[:, 8:], global_state["blocks.0.conv1.weight"][:, 8:])
-    assert torch.equal(target["blocks.5.conv1.weight"], global_state["blocks.5.conv1.weight"])  # block not kept
+    assert torch.equal(
+        target["blocks.5.conv1.weight"], global_state["blocks.5.conv1.weight"]
+    )  # block not kept
 
 
 def test_a_narrow_slice_is_contained_in_a_wider_one(global_state: dict[str, torch.Tensor]) -> None:

@@ -78,5 +78,7 @@ def test_spec_module_imports_on_its_own() -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", "import nestling.spec"], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", "import nestling.spec"], capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr

@@ -27,13 +27,16 @@ def blocks(*numbers: int) -> tuple[int, ...]:
     return tuple(n - 1 for n in numbers)
 
 
-@pytest.mark.parametrize("ratio, stages, bypass", [
-    (1 / 6, [blocks(1), blocks(2), blocks(3), blocks(4), blocks(5, 6), blocks(7, 8, 9)], ()),
-    (1 / 3, [blocks(1, 2), blocks(3, 4), blocks(5, 6, 7, 8, 9)], ()),
-    (1 / 2, [blocks(1, 2, 3), blocks(4, 5, 6, 7, 8, 9)], ()),
-    (1.0, [blocks(1, 2, 3, 4, 5, 6, 7, 8, 9)], ()),
-    (1 / 8, [blocks(4), blocks(5), blocks(6), blocks(7, 8), blocks(9)], blocks(1, 2, 3)),
-])
+@pytest.mark.parametrize(
+    "ratio, stages, bypass",
+    [
+        (1 / 6, [blocks(1), blocks(2), blocks(3), blocks(4), blocks(5, 6), blocks(7, 8, 9)], ()),
+        (1 / 3, [blocks(1, 2), blocks(3, 4), blocks(5, 6, 7, 8, 9)], ()),
+        (1 / 2, [blocks(1, 2, 3), blocks(4, 5, 6, 7, 8, 9)], ()),
+        (1.0, [blocks(1, 2, 3, 4, 5, 6, 7, 8, 9)], ()),
+        (1 / 8, [blocks(4), blocks(5), blocks(6), blocks(7, 8), blocks(9)], blocks(1, 2, 3)),
+    ],
+)
 def test_the_paper_table_gives_the_reference_stages(ratio: float, stages: list, bypass: tuple) -> None:
     plan = greedy_stages(PAPER_BLOCK_MB, PAPER_WIDTH_MB[ratio], 0.05)
     assert plan.stages == tuple(stages)
@@ -50,9 +53,15 @@ def test_every_tolerance_in_the_reproducing_range_gives_the_same_stages(toleranc
     assert greedy_stages(PAPER_BLOCK_MB, PAPER_WIDTH_MB[1 / 6], 0.036).stages[4] == blocks(5)
 
 
-@given(costs=st.lists(st.floats(0.5, 20.0), min_size=1, max_size=12), budget=st.floats(1.0, 60.0),
-       stem=st.floats(0.0, 3.0), head=st.floats(0.0, 3.0))
-def test_stages_are_contiguous_ordered_and_each_fits(costs: list[float], budget: float, stem: float, head: float) -> None:
+@given(
+    costs=st.lists(st.floats(0.5, 20.0), min_size=1, max_size=12),
+    budget=st.floats(1.0, 60.0),
+    stem=st.floats(0.0, 3.0),
+    head=st.floats(0.0, 3.0),
+)
+def test_stages_are_contiguous_ordered_and_each_fits(
+    costs: list[float], budget: float, stem: float, head: float
+) -> None:
     ends = [head] * (len(costs) + 1)
     try:
         plan = greedy_stages(costs, budget, 0.05, stem_cost=stem, end_costs=ends)
@@ -87,8 +96,13 @@ def test_the_stem_gets_a_stage_of_its_own_when_it_cannot_join_the_first_block() 
 def test_stage_plans_round_trip_and_reject_overlaps() -> None:
     plan = StagePlan(((), (3,), (4, 5)), (0, 1, 2))
     assert StagePlan.from_dict(plan.to_dict()) == plan
-    for bad in ({"stages": [[0, 1], [1, 2]]}, {"stages": [[2], [0, 1]]}, {"stages": [[0]], "bypass": [3]},
-                {"stages": []}, {"stage": [[0]]}):
+    for bad in (
+        {"stages": [[0, 1], [1, 2]]},
+        {"stages": [[2], [0, 1]]},
+        {"stages": [[0]], "bypass": [3]},
+        {"stages": []},
+        {"stage": [[0]]},
+    ):
         with pytest.raises(ConfigError):
             StagePlan.from_dict(bad)
 
@@ -110,7 +124,9 @@ def test_measured_and_estimated_cost_tables_agree(preresnet20: ModelConfig) -> N
     assert measured.ends == pytest.approx(estimated.ends, rel=1e-6)
 
 
-def test_one_sixth_of_preresnet20_trains_the_full_model_in_the_papers_stage_order(preresnet20: ModelConfig) -> None:
+def test_one_sixth_of_preresnet20_trains_the_full_model_in_the_papers_stage_order(
+    preresnet20: ModelConfig,
+) -> None:
     """At the paper's batch (128) our own per-block table yields the paper's order; the stem, which the paper's
     table leaves out, gets a stage of its own."""
     full = SubmodelSpec(preresnet20)

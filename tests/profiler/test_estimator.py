@@ -19,9 +19,14 @@ def measured_activations(spec: SubmodelSpec, batch: int) -> tuple[dict[str, int]
     return parts, profile["total"]["activations_bytes"]
 
 
-@pytest.mark.parametrize("model", [ModelConfig("resnet20"), ModelConfig("preresnet20", norm_stats="batch"),
-                                   ModelConfig("resnet18")], ids=lambda m: m.arch)
-def test_activation_estimate_is_within_10_percent_of_the_measured_bytes_for_every_block(model: ModelConfig) -> None:
+@pytest.mark.parametrize(
+    "model",
+    [ModelConfig("resnet20"), ModelConfig("preresnet20", norm_stats="batch"), ModelConfig("resnet18")],
+    ids=lambda m: m.arch,
+)
+def test_activation_estimate_is_within_10_percent_of_the_measured_bytes_for_every_block(
+    model: ModelConfig,
+) -> None:
     spec = SubmodelSpec(model)
     measured, total = measured_activations(spec, 32)
     estimated = estimate(spec, 32)
@@ -31,16 +36,34 @@ def test_activation_estimate_is_within_10_percent_of_the_measured_bytes_for_ever
     assert estimated.activation_bytes == pytest.approx(total, rel=0.10)
 
 
-@pytest.mark.parametrize("spec", [
-    SubmodelSpec(ModelConfig("preresnet20", norm_stats="batch", scaler="train"), width=0.5),
-    SubmodelSpec(ModelConfig("resnet20", scaler="always", exit_points=(2, 5), exit_kind="scalefl", rounding="floor"),
-                 width=0.7, depth=6, exits=(2, 5), head=False),
-    SubmodelSpec(ModelConfig("resnet18", exit_points=(1, 3, 5), exit_kind="depthfl"), width=0.6, exits=(1, 3, 5)),
-    SubmodelSpec(ModelConfig("vit", exit_points=(2,)), width=0.5, exits=(2,), blocks=(0, 1, 2, 4)),
-    SubmodelSpec(ModelConfig("resnet56", learnable_step=False, width_levels=(0.25, 0.5, 1.0), norm_stats="per_width"),
-                 width=0.5, blocks=(0, 1, 2, 9, 10, 18, 19, 20)),
-    SubmodelSpec(ModelConfig("preresnet20", exit_points=(2, 5), exit_kind="fedepth"), exits=(2, 5)),
-], ids=["scaler", "scalefl-exits", "depthfl-exits", "vit", "per-width-bn", "fedepth-aux-heads"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SubmodelSpec(ModelConfig("preresnet20", norm_stats="batch", scaler="train"), width=0.5),
+        SubmodelSpec(
+            ModelConfig(
+                "resnet20", scaler="always", exit_points=(2, 5), exit_kind="scalefl", rounding="floor"
+            ),
+            width=0.7,
+            depth=6,
+            exits=(2, 5),
+            head=False,
+        ),
+        SubmodelSpec(
+            ModelConfig("resnet18", exit_points=(1, 3, 5), exit_kind="depthfl"), width=0.6, exits=(1, 3, 5)
+        ),
+        SubmodelSpec(ModelConfig("vit", exit_points=(2,)), width=0.5, exits=(2,), blocks=(0, 1, 2, 4)),
+        SubmodelSpec(
+            ModelConfig(
+                "resnet56", learnable_step=False, width_levels=(0.25, 0.5, 1.0), norm_stats="per_width"
+            ),
+            width=0.5,
+            blocks=(0, 1, 2, 9, 10, 18, 19, 20),
+        ),
+        SubmodelSpec(ModelConfig("preresnet20", exit_points=(2, 5), exit_kind="fedepth"), exits=(2, 5)),
+    ],
+    ids=["scaler", "scalefl-exits", "depthfl-exits", "vit", "per-width-bn", "fedepth-aux-heads"],
+)
 def test_every_model_family_is_estimated_like_it_is_measured(spec: SubmodelSpec) -> None:
     measured, total = measured_activations(spec, 4)
     estimated = estimate(spec, 4)
@@ -50,9 +73,15 @@ def test_every_model_family_is_estimated_like_it_is_measured(spec: SubmodelSpec)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arch=st.sampled_from(["resnet20", "preresnet20", "resnet18", "vit", "tinycnn"]),
-       width=st.floats(0.05, 1.0), rounding=st.sampled_from(["ceil", "floor"]), data=st.data())
-def test_parameters_and_macs_match_the_built_model(arch: str, width: float, rounding: str, data: st.DataObject) -> None:
+@given(
+    arch=st.sampled_from(["resnet20", "preresnet20", "resnet18", "vit", "tinycnn"]),
+    width=st.floats(0.05, 1.0),
+    rounding=st.sampled_from(["ceil", "floor"]),
+    data=st.data(),
+)
+def test_parameters_and_macs_match_the_built_model(
+    arch: str, width: float, rounding: str, data: st.DataObject
+) -> None:
     model = ModelConfig(arch, rounding=rounding, num_classes=7, image_size=16)
     blocks = len(estimate(SubmodelSpec(model), 1).parts) - 2
     kept = data.draw(st.sets(st.integers(0, blocks - 1), min_size=1))

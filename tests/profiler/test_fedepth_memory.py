@@ -19,20 +19,30 @@ BATCH = 32
 
 
 def measured_stage_peaks(budgets: str) -> tuple[list[int], int, StagePlan, int]:
-    ctx = StrategyContext(arch="preresnet20", num_classes=10, in_channels=3, image_size=32, num_clients=4,
-                          total_rounds=1, local={"batch_size": BATCH, "momentum": 0.9, "local_steps": 2},
-                          options={"budgets": budgets})
+    ctx = StrategyContext(
+        arch="preresnet20",
+        num_classes=10,
+        in_channels=3,
+        image_size=32,
+        num_clients=4,
+        total_rounds=1,
+        local={"batch_size": BATCH, "momentum": 0.9, "local_steps": 2},
+        options={"budgets": budgets},
+    )
     strategy = create_strategy("fedepth", ctx)
     device = DeviceInfo("weakest", index=0, num_samples=64)  # tier 0: the smallest budget of the preset
     task = strategy.assign(0, [device])["weakest"]
     plan = StagePlan.from_dict(task.hparams["plan"])
     ratio = strategy.ratios[0]
-    measured_budget = profile_model(SubmodelSpec(strategy.model, width=ratio), BATCH, repeats=1, warmup=1,
-                                    momentum=0.9, rss_check=False)["total"]["peak_training_bytes"]
+    measured_budget = profile_model(
+        SubmodelSpec(strategy.model, width=ratio), BATCH, repeats=1, warmup=1, momentum=0.9, rss_check=False
+    )["total"]["peak_training_bytes"]
     net = build(SubmodelSpec.from_dict(task.spec), init=False)
     net.load_state_dict(task.weights)
     generator = torch.Generator().manual_seed(0)
-    data = ClientData(torch.randn(64, 3, 32, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator))
+    data = ClientData(
+        torch.randn(64, 3, 32, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator)
+    )
     peaks = measure_stage_peaks([net], plan, data, {**task.hparams, "lr": 0.01}, generator)
     return peaks, measured_budget, plan, strategy.ratio_bytes[ratio]
 

@@ -21,12 +21,19 @@ def test_a_profile_covers_every_part_with_latency_and_a_memory_split(tiny_spec: 
         assert part["forward_ms"]["samples"] == 3 and part["forward_ms"]["median"] > 0
         assert part["forward_ms"]["p90"] >= part["forward_ms"]["median"]
         memory = part["memory"]
-        assert memory["grads_bytes"] == memory["optimizer_bytes"] > 0  # SGD momentum: one buffer per parameter
-        assert memory["training_bytes"] == (memory["params_bytes"] + memory["grads_bytes"] + memory["optimizer_bytes"]
-                                            + memory["activations_bytes"])
+        assert (
+            memory["grads_bytes"] == memory["optimizer_bytes"] > 0
+        )  # SGD momentum: one buffer per parameter
+        assert memory["training_bytes"] == (
+            memory["params_bytes"]
+            + memory["grads_bytes"]
+            + memory["optimizer_bytes"]
+            + memory["activations_bytes"]
+        )
     total = profile["total"]
-    assert total["peak_training_bytes"] == sum(total[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
-                                                                   "activations_bytes"))
+    assert total["peak_training_bytes"] == sum(
+        total[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+    )
     assert total["params_bytes"] == sum(p["memory"]["params_bytes"] for p in profile["parts"])
     # A storage kept by two parts (a block's output, kept by its ReLU and by the next conv) counts once in total.
     assert total["activations_bytes"] <= sum(p["memory"]["activations_bytes"] for p in profile["parts"])

@@ -33,10 +33,17 @@ def test_each_device_gets_the_largest_member_that_fits() -> None:
     assert largest_fitting(FAMILY, costs[2] - 1, 32) == 1
     assert largest_fitting(FAMILY, costs[0] - 1, 32) is None
     assert member_for_budget(FAMILY, costs[0] - 1, 32) == 0  # nothing fits: the cheapest still takes part
-    devices = [DeviceBudget("small", costs[1] + 1), DeviceBudget("huge", 10 * costs[3]), DeviceBudget("tiny", 1)]
+    devices = [
+        DeviceBudget("small", costs[1] + 1),
+        DeviceBudget("huge", 10 * costs[3]),
+        DeviceBudget("tiny", 1),
+    ]
     rows = plan_family(["a", "b", "c", "d"], FAMILY, devices, 32)
     assert [(r.label, r.fits) for r in rows] == [("b", True), ("d", True), ("a", False)]
-    assert rows[0].memory_bytes == costs[1] and rows[0].training_macs == estimate(FAMILY[1], 32).training_macs * 32
+    assert (
+        rows[0].memory_bytes == costs[1]
+        and rows[0].training_macs == estimate(FAMILY[1], 32).training_macs * 32
+    )
 
 
 def test_a_time_budget_also_bounds_the_choice() -> None:
@@ -48,8 +55,12 @@ def test_a_time_budget_also_bounds_the_choice() -> None:
 
 
 def test_a_profiled_step_scales_by_training_macs() -> None:
-    profile = {"name": "board", "device": {"memory": {"available_bytes": 1000 * MIB}, "compute": {"gflops": 5.0}},
-               "model": {"spec": FAMILY[1].to_dict(), "batch": 32}, "total": {"step_ms": {"median": 80.0}}}
+    profile = {
+        "name": "board",
+        "device": {"memory": {"available_bytes": 1000 * MIB}, "compute": {"gflops": 5.0}},
+        "model": {"spec": FAMILY[1].to_dict(), "batch": 32},
+        "total": {"step_ms": {"median": 80.0}},
+    }
     device = DeviceBudget.from_profile(profile, memory_fraction=0.25)
     assert device.memory_bytes == 250 * MIB and device.name == "board"
     reference = estimate(FAMILY[1], 32).training_macs * 32
@@ -69,7 +80,9 @@ def test_kmeans_groups_budgets_and_orders_clusters() -> None:
 
 def test_scalefl_levels_fit_the_smallest_budget_of_their_cluster_and_devices_their_level() -> None:
     """METHODS §6.b invariant 7: each client's level cost ≤ its budget."""
-    model = ModelConfig("resnet20", exit_kind="scalefl", scaler="always", norm_stats="batch", rounding="floor")
+    model = ModelConfig(
+        "resnet20", exit_kind="scalefl", scaler="always", norm_stats="batch", rounding="floor"
+    )
     budgets = [8 * MIB, 9 * MIB, 15 * MIB, 16 * MIB, 40 * MIB]
     full = estimate(SubmodelSpec(model), 32).training_bytes
     fractions = cluster_budget_fractions(budgets, 3, full)
@@ -90,7 +103,9 @@ def test_fedepth_rows_carry_each_devices_stages_within_its_budget() -> None:
     full = SubmodelSpec(model)
     costs = full_model_costs(full, 32)
     budgets = [width_budget(full, r, 32) for r in (1 / 8, 1 / 6, 1 / 2, 1.0)]
-    rows = plan_depthwise(costs, estimate(full, 32), [DeviceBudget(f"d{i}", b, gflops=50.0) for i, b in enumerate(budgets)])
+    rows = plan_depthwise(
+        costs, estimate(full, 32), [DeviceBudget(f"d{i}", b, gflops=50.0) for i, b in enumerate(budgets)]
+    )
     assert [len(r.detail["plan"]["stages"]) > 1 for r in rows] == [True, True, True, False]
     assert rows[0].detail["plan"]["bypass"] and not rows[1].detail["plan"]["bypass"]
     for row, budget in zip(rows, budgets):
@@ -104,10 +119,21 @@ def test_fedepth_rows_carry_each_devices_stages_within_its_budget() -> None:
 def test_strategies_assign_the_largest_submodel_a_registered_budget_holds(method: str) -> None:
     from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 
-    ctx = StrategyContext(arch="resnet20", num_classes=10, in_channels=3, image_size=32, num_clients=10,
-                          total_rounds=5, local={"batch_size": 32})
+    ctx = StrategyContext(
+        arch="resnet20",
+        num_classes=10,
+        in_channels=3,
+        image_size=32,
+        num_clients=10,
+        total_rounds=5,
+        local={"batch_size": 32},
+    )
     strategy = create_strategy(method, ctx)
-    family = strategy.specs if isinstance(strategy.specs, list) else [strategy.specs[r] for r in sorted(strategy.specs)]
+    family = (
+        strategy.specs
+        if isinstance(strategy.specs, list)
+        else [strategy.specs[r] for r in sorted(strategy.specs)]
+    )
     costs = [estimate(s, 32).training_bytes for s in family]
     for k in range(len(family)):
         # Index 0 would be the weakest tier by position: the budget decides instead. NeFL's flexible tiers

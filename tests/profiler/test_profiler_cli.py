@@ -43,12 +43,25 @@ def five_profiles(base: Path, tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("method", ["nefl-wd", "heterofl", "fjord", "scalefl", "fedepth"])
-def test_plan_on_five_profiles_prints_a_table_and_writes_json(method: str, resnet20_profile: Path, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_on_five_profiles_prints_a_table_and_writes_json(
+    method: str, resnet20_profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "plan.json"
     model = "preresnet20" if method == "fedepth" else "resnet20"
-    assert plan_main([*five_profiles(resnet20_profile, tmp_path), "--method", method, "--model", model,
-                      "--out", str(out)]) == 0
+    assert (
+        plan_main(
+            [
+                *five_profiles(resnet20_profile, tmp_path),
+                "--method",
+                method,
+                "--model",
+                model,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan = json.loads(out.read_text())
     assert plan["method"] == method and plan["batch"] == 32
     rows = plan["devices"]
@@ -65,8 +78,12 @@ def test_plan_on_five_profiles_prints_a_table_and_writes_json(method: str, resne
 
 def test_plan_from_bare_budgets_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    assert plan_main(["--budget-mb", "12", "200", "--method", "m-fedepth", "--model", "preresnet20",
-                      "--out", str(out)]) == 0
+    assert (
+        plan_main(
+            ["--budget-mb", "12", "200", "--method", "m-fedepth", "--model", "preresnet20", "--out", str(out)]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["devices"]
     assert rows[1]["detail"]["models"] == 2 and rows[0]["detail"]["models"] == 1
     assert plan_main(["--method", "fedepth", "--model", "preresnet20", "--out", str(out)]) == 2

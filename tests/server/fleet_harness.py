@@ -45,7 +45,9 @@ class FakeDevice:
         self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.inbound = Inbound(256 * 1024 * 1024)
         self.sent_chunks: list[bytes] = []
-        self.client = make_client(f"fake-{fleet}-{device_id}", will=(self.topics.status(device_id), OFFLINE, True))
+        self.client = make_client(
+            f"fake-{fleet}-{device_id}", will=(self.topics.status(device_id), OFFLINE, True)
+        )
         self.client.on_message = lambda _c, _u, m: self.inbox.put((m.topic, m.payload))
         connect_and_wait(self.client, host, port)
         self.client.subscribe([(self.topics.task(device_id), QOS), (self.topics.ctrl(device_id), QOS)])
@@ -56,7 +58,9 @@ class FakeDevice:
         self.publish("hello", encode_hello(self.device_id, body))
 
     def publish(self, channel: str, payload: bytes, retain: bool = False) -> None:
-        self.client.publish(self.topics.device(self.device_id, channel), payload, qos=QOS, retain=retain).wait_for_publish(5)
+        self.client.publish(
+            self.topics.device(self.device_id, channel), payload, qos=QOS, retain=retain
+        ).wait_for_publish(5)
 
     def next_task(self, timeout: float = 10.0) -> tuple[Task, str]:
         give_up = time.monotonic() + timeout
@@ -77,8 +81,9 @@ class FakeDevice:
             if topic == self.topics.ctrl(self.device_id):
                 return payload
 
-    def send_result(self, result: Result, session: str, *, chunk_size: int | None = None,
-                    skip: tuple[int, ...] = ()) -> None:
+    def send_result(
+        self, result: Result, session: str, *, chunk_size: int | None = None, skip: tuple[int, ...] = ()
+    ) -> None:
         """Publish a result, chunked when `chunk_size` is given, leaving out chunk indices in `skip`."""
         payload = encode_result(result, session)
         if chunk_size is None:
@@ -106,18 +111,37 @@ class FakeDevice:
 
 def echo_result(task: Task, **changes: object) -> Result:
     """The result a device would send without training: the task's own tensors back."""
-    result = Result(round=task.round, device_id=task.device_id, task_id=task.task_id, spec_id=task.spec_id,
-                    weights={k: v.clone() for k, v in task.weights.items()}, num_samples=10,
-                    metrics={"loss_mean": 1.0, "train_seconds": 0.01})
+    result = Result(
+        round=task.round,
+        device_id=task.device_id,
+        task_id=task.task_id,
+        spec_id=task.spec_id,
+        weights={k: v.clone() for k, v in task.weights.items()},
+        num_samples=10,
+        metrics={"loss_mean": 1.0, "train_seconds": 0.01},
+    )
     for key, value in changes.items():
         setattr(result, key, value)
     return result
 
 
-def fleet_toml(url: str, fleet: str, *, devices: int, rounds: int = 3, out_dir: str = "out", credentials: str = "",
-               arch: str = "tinycnn", method: str = "nefl-wd", deadline_s: float = 30.0, quorum: float = 0.6,
-               local_steps: int = 2, method_options: str = "flex = 0", extra_fleet: str = "",
-               extra_run: str = "") -> str:
+def fleet_toml(
+    url: str,
+    fleet: str,
+    *,
+    devices: int,
+    rounds: int = 3,
+    out_dir: str = "out",
+    credentials: str = "",
+    arch: str = "tinycnn",
+    method: str = "nefl-wd",
+    deadline_s: float = 30.0,
+    quorum: float = 0.6,
+    local_steps: int = 2,
+    method_options: str = "flex = 0",
+    extra_fleet: str = "",
+    extra_run: str = "",
+) -> str:
     return textwrap.dedent(f"""\
         [broker]
         url = "{url}"
@@ -148,8 +172,16 @@ def fleet_toml(url: str, fleet: str, *, devices: int, rounds: int = 3, out_dir: 
         """)
 
 
-def agent_toml(url: str, fleet: str, device_id: str, *, index: int, clients: int, budget_mb: float = 6.0,
-               credentials: str = "") -> str:
+def agent_toml(
+    url: str,
+    fleet: str,
+    device_id: str,
+    *,
+    index: int,
+    clients: int,
+    budget_mb: float = 6.0,
+    credentials: str = "",
+) -> str:
     return textwrap.dedent(f"""\
         [broker]
         url = "{url}"
@@ -171,22 +203,34 @@ def spawn(module: str, args: list[str], log: Path) -> subprocess.Popen:
     """A child Python process (one torch thread) writing its output to `log`."""
     handle = log.open("ab")
     try:
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=CHILD_ENV,
-                                stdout=handle, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO,
+            env=CHILD_ENV,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
     finally:
         handle.close()
 
 
-def start_agents(tmp: Path, url: str, fleet: str, count: int, budgets: list[float] | None = None,
-                 credentials: dict[str, Path] | None = None) -> list[subprocess.Popen]:
+def start_agents(
+    tmp: Path,
+    url: str,
+    fleet: str,
+    count: int,
+    budgets: list[float] | None = None,
+    credentials: dict[str, Path] | None = None,
+) -> list[subprocess.Popen]:
     """Agents dev-0 … dev-<count-1>, each with its share of digits (and its broker credentials, if given)."""
     agents = []
     for i in range(count):
         config = tmp / f"agent-{i}.toml"
         budget = budgets[i] if budgets else 6.0
         login = str(credentials[f"dev-{i}"]) if credentials else ""
-        config.write_text(agent_toml(url, fleet, f"dev-{i}", index=i, clients=count, budget_mb=budget,
-                                     credentials=login))
+        config.write_text(
+            agent_toml(url, fleet, f"dev-{i}", index=i, clients=count, budget_mb=budget, credentials=login)
+        )
         agents.append(spawn("nestling.edge.agent_cli", ["--config", str(config)], tmp / f"agent-{i}.log"))
     return agents
 
@@ -205,7 +249,9 @@ def stop_all(processes: list[subprocess.Popen]) -> None:
 
 def metrics(out_dir: Path) -> list[dict]:
     path = out_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
 
 
 class FleetWatch:
@@ -221,7 +267,9 @@ class FleetWatch:
         connect_and_wait(self.client, host, port)
         self.client.subscribe([(self.topics.server_status, QOS), (self.topics.all_devices("task"), QOS)])
 
-    def when_task(self, round_index: int, action: Callable[[], None], device_id: str | None = None) -> threading.Event:
+    def when_task(
+        self, round_index: int, action: Callable[[], None], device_id: str | None = None
+    ) -> threading.Event:
         """Run `action` as soon as the first task of `round_index` (to `device_id`, or anyone) is published."""
         fired = threading.Event()
         with self._lock:

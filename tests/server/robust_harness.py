@@ -38,12 +38,15 @@ def honest(task: Task, board: int) -> Result:
 def huge_values(task: Task, board: int) -> Result:
     """Every weight set to 3.0e38: finite, the right names, shapes and dtypes."""
     result = echo_result(task)
-    result.weights = {k: torch.full_like(v, 3.0e38) if v.is_floating_point() else v for k, v in result.weights.items()}
+    result.weights = {
+        k: torch.full_like(v, 3.0e38) if v.is_floating_point() else v for k, v in result.weights.items()
+    }
     return result
 
 
 def scaled(factor: float) -> Behaviour:
     """An honest update multiplied by `factor` (factor -1: sign-flipped)."""
+
     def attack(task: Task, board: int) -> Result:
         result = honest(task, board)
         for key, value in result.weights.items():
@@ -51,6 +54,7 @@ def scaled(factor: float) -> Behaviour:
                 base = task.weights[key]
                 value.copy_(base + factor * (value - base))
         return result
+
     return attack
 
 
@@ -70,31 +74,56 @@ class AttackRun:
 
 
 def small_strategy(method: str = "fedavg", clients: int = 3, rounds: int = 3):
-    ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=clients,
-                          total_rounds=rounds, seed=0)
+    ctx = StrategyContext(
+        arch="tinycnn",
+        num_classes=10,
+        in_channels=1,
+        image_size=16,
+        num_clients=clients,
+        total_rounds=rounds,
+        seed=0,
+    )
     return create_strategy(method, ctx)
 
 
 @contextmanager
-def fleet_server(broker: EmbeddedBroker, fleet: str, boards: int, rounds: int,
-                 robust: RobustPolicy | None = None, method: str = "fedavg",
-                 deadline_s: float = 30.0) -> Iterator[tuple[Coordinator,
-                                                                                            MqttTransport,
-                                                                                            list[FakeDevice]]]:
+def fleet_server(
+    broker: EmbeddedBroker,
+    fleet: str,
+    boards: int,
+    rounds: int,
+    robust: RobustPolicy | None = None,
+    method: str = "fedavg",
+    deadline_s: float = 30.0,
+) -> Iterator[tuple[Coordinator, MqttTransport, list[FakeDevice]]]:
     """A server (real MqttTransport and Coordinator) and `boards` registered fake boards on `broker`."""
     topics = FleetTopics(fleet)
     client = make_client(f"{fleet}-server", will=(topics.server_status, OFFLINE, True))
-    transport = MqttTransport(client, topics, DeviceRegistry(), WallClock(),
-                              TransportSettings(chunk_size=64 * 1024, device_wait_s=10, rehello_every_s=0.0))
+    transport = MqttTransport(
+        client,
+        topics,
+        DeviceRegistry(),
+        WallClock(),
+        TransportSettings(chunk_size=64 * 1024, device_wait_s=10, rehello_every_s=0.0),
+    )
     transport.connect(broker.host, broker.port)
     devices = [FakeDevice(broker.host, broker.port, fleet, f"board-{i}") for i in range(boards)]
     try:
         for index, device in enumerate(devices):
             device.hello(index=index, num_samples=100)
         wait_until(lambda: len(transport.devices()) == boards, 20, "every board to register")
-        policy = RoundPolicy(rounds=rounds, fraction=1.0, quorum=0.6, deadline_s=deadline_s, eval_every=0,
-                             checkpoint_every=0, robust=robust or RobustPolicy())
-        coordinator = Coordinator(small_strategy(method, boards, rounds), transport, WallClock(), None, policy)
+        policy = RoundPolicy(
+            rounds=rounds,
+            fraction=1.0,
+            quorum=0.6,
+            deadline_s=deadline_s,
+            eval_every=0,
+            checkpoint_every=0,
+            robust=robust or RobustPolicy(),
+        )
+        coordinator = Coordinator(
+            small_strategy(method, boards, rounds), transport, WallClock(), None, policy
+        )
         yield coordinator, transport, devices
     finally:
         for device in devices:
@@ -102,8 +131,9 @@ def fleet_server(broker: EmbeddedBroker, fleet: str, boards: int, rounds: int,
         transport.close()
 
 
-def play_round(coordinator: Coordinator, devices: list[FakeDevice], round_index: int,
-               behaviours: dict[int, Behaviour]) -> RoundRecord:
+def play_round(
+    coordinator: Coordinator, devices: list[FakeDevice], round_index: int, behaviours: dict[int, Behaviour]
+) -> RoundRecord:
     """Run one round: every board that gets a task answers it with its behaviour (honest by default)."""
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(coordinator.run_round, round_index)
@@ -115,9 +145,20 @@ def play_round(coordinator: Coordinator, devices: list[FakeDevice], round_index:
         return running.result(timeout=60)
 
 
-def run_fleet(broker: EmbeddedBroker, fleet: str, rounds: int, behaviours: dict[int, Behaviour],
-              boards: int = 3, robust: RobustPolicy | None = None, deadline_s: float = 30.0) -> AttackRun:
-    with fleet_server(broker, fleet, boards, rounds, robust, deadline_s=deadline_s) as (coordinator, transport, devices):
+def run_fleet(
+    broker: EmbeddedBroker,
+    fleet: str,
+    rounds: int,
+    behaviours: dict[int, Behaviour],
+    boards: int = 3,
+    robust: RobustPolicy | None = None,
+    deadline_s: float = 30.0,
+) -> AttackRun:
+    with fleet_server(broker, fleet, boards, rounds, robust, deadline_s=deadline_s) as (
+        coordinator,
+        transport,
+        devices,
+    ):
         records = [play_round(coordinator, devices, r, behaviours) for r in range(rounds)]
         state = {k: v.clone() for k, v in coordinator.strategy.global_state.items()}
         return AttackRun(records, state, dict(transport.counters), coordinator)

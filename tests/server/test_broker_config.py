@@ -147,8 +147,15 @@ def secured_fleet(tmp_path_factory):
     process.wait(10)
 
 
-def tls_client(files, user: str, port: int, *, password: str | None = None, subscribe: tuple = (),
-               username: str | None = None) -> tuple:
+def tls_client(
+    files,
+    user: str,
+    port: int,
+    *,
+    password: str | None = None,
+    subscribe: tuple = (),
+    username: str | None = None,
+) -> tuple:
     """A client with `user`'s certificate over TLS (optionally claiming another username/password), with an inbox."""
     credentials = read_credentials(files.credentials[user])
     client = make_client(
@@ -233,8 +240,9 @@ def test_the_documented_command_runs_as_root_without_extra_config():
     files = write_broker_config("doc", ["a"], broker_folder(), port, bind_address="127.0.0.1")
     assert "user " not in files.config.read_text()
     assert files.notes == [] or os.geteuid() != 0
-    process = subprocess.Popen([mosquitto_binary(), "-c", str(files.config)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [mosquitto_binary(), "-c", str(files.config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         assert wait_for_port("127.0.0.1", port, 10), process.stdout.read1().decode() if process.poll() else ""
         client, _ = tls_client(files, "a", port)
@@ -272,7 +280,10 @@ def test_each_device_connects_with_its_own_certificate(secured_fleet):
     try:
         device_a.publish(topics.result("a"), b"from a", qos=QOS).wait_for_publish(5)
         device_b.publish(topics.result("b"), b"from b", qos=QOS).wait_for_publish(5)
-        assert sorted(received(server_inbox, 2.0)) == [(topics.result("a"), b"from a"), (topics.result("b"), b"from b")]
+        assert sorted(received(server_inbox, 2.0)) == [
+            (topics.result("a"), b"from a"),
+            (topics.result("b"), b"from b"),
+        ]
     finally:
         close(server, device_a, device_b)
 

@@ -60,7 +60,9 @@ def test_a_corrupted_weights_file_is_skipped_for_the_previous_checkpoint(tmp_pat
 def test_side_tensor_sets_round_trip_and_a_checkpoint_without_one_says_none(tmp_path: Path) -> None:
     stores = {'["dev-1", "h", "w"]': torch.arange(6.0).reshape(2, 3)}
     path = save_checkpoint(tmp_path, 1, tensors(1.0), {}, sides={"device_stores": stores})
-    assert torch.equal(load_checkpoint_side(path, "device_stores")['["dev-1", "h", "w"]'], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(
+        load_checkpoint_side(path, "device_stores")['["dev-1", "h", "w"]'], torch.arange(6.0).reshape(2, 3)
+    )
     assert load_checkpoint_side(path, "other") is None
     with pytest.raises(ConfigError, match="identifier"):
         save_checkpoint(tmp_path, 2, tensors(2.0), {}, sides={"../escape": stores})

@@ -49,9 +49,17 @@ def fleet(n: int) -> list[DeviceInfo]:
 
 
 def result_for(task: Task, value: float = 1.0, **changes) -> Result:
-    weights = {k: torch.full_like(v, value) if v.is_floating_point() else v.clone() for k, v in task.weights.items()}
-    fields = {"round": task.round, "device_id": task.device_id, "task_id": task.task_id,
-              "spec_id": task.spec_id, "weights": weights, "num_samples": 10}
+    weights = {
+        k: torch.full_like(v, value) if v.is_floating_point() else v.clone() for k, v in task.weights.items()
+    }
+    fields = {
+        "round": task.round,
+        "device_id": task.device_id,
+        "task_id": task.task_id,
+        "spec_id": task.spec_id,
+        "weights": weights,
+        "num_samples": 10,
+    }
     fields.update(changes)
     return Result(**fields)
 
@@ -60,8 +68,9 @@ def coordinator(make_ctx, respond, *, clients: int = 10, tmp: Path | None = None
     strategy = create_strategy("fedavg", make_ctx(num_clients=clients))
     values = {"rounds": 3, "fraction": 0.5, "seed": 7}
     values.update(policy)
-    return Coordinator(strategy, ScriptedTransport(fleet(clients), respond), VirtualClock(), None,
-                       RoundPolicy(**values), tmp)
+    return Coordinator(
+        strategy, ScriptedTransport(fleet(clients), respond), VirtualClock(), None, RoundPolicy(**values), tmp
+    )
 
 
 def every_task(tasks: list[Task]) -> list[Result]:
@@ -73,7 +82,9 @@ def test_selection_is_reproducible_per_seed_and_round(make_ctx) -> None:
     devices = fleet(10)
     picks = [[d.device_id for d in a.select(r, devices)] for r in range(6)]
     assert picks == [[d.device_id for d in b.select(r, devices)] for r in range(6)]
-    assert picks[2] == [d.device_id for d in a.select(2, list(reversed(devices)))]  # arrival order is irrelevant
+    assert picks[2] == [
+        d.device_id for d in a.select(2, list(reversed(devices)))
+    ]  # arrival order is irrelevant
     assert all(len(p) == 5 == len(set(p)) for p in picks)
     assert len({tuple(p) for p in picks}) > 1
     other = coordinator(make_ctx, every_task, seed=8)
@@ -96,9 +107,17 @@ def test_duplicate_stale_unknown_and_invalid_results_are_counted_and_never_appli
         a, b, c = tasks
         poisoned = result_for(b, 1000.0)
         poisoned.weights["head.fc.bias"][0] = float("nan")
-        return [result_for(a, 1.0), result_for(a, 1000.0), result_for(a, 1000.0, round=5),
-                result_for(a, 1000.0, task_id="r0-nobody"), result_for(a, 1000.0, device_id="dev-00009", task_id="x"),
-                result_for(b, 1000.0, device_id="dev-00009"), poisoned, result_for(b, 2.0), result_for(c, 3.0)]
+        return [
+            result_for(a, 1.0),
+            result_for(a, 1000.0),
+            result_for(a, 1000.0, round=5),
+            result_for(a, 1000.0, task_id="r0-nobody"),
+            result_for(a, 1000.0, device_id="dev-00009", task_id="x"),
+            result_for(b, 1000.0, device_id="dev-00009"),
+            poisoned,
+            result_for(b, 2.0),
+            result_for(c, 3.0),
+        ]
 
     coord = coordinator(make_ctx, respond, clients=3, fraction=1.0)
     record = coord.run_round(0)
@@ -107,18 +126,23 @@ def test_duplicate_stale_unknown_and_invalid_results_are_counted_and_never_appli
     assert counted == {"duplicate": 1, "future": 1, "unknown_task": 3, "rejected_invalid": 1}  # round 5 > 0
     state = coord.strategy.global_state
     expected = (10 * 1.0 + 10 * 2.0 + 10 * 3.0) / 30  # FedAvg of the three valid results, equal sample counts
-    assert all(torch.allclose(v, torch.full_like(v, expected)) for v in state.values() if v.is_floating_point())
+    assert all(
+        torch.allclose(v, torch.full_like(v, expected)) for v in state.values() if v.is_floating_point()
+    )
     assert coord.totals["duplicate"] == 1
 
 
 def test_below_quorum_the_model_is_unchanged(make_ctx) -> None:
-    coord = coordinator(make_ctx, lambda tasks: [result_for(t, 9.0) for t in tasks[:2]], clients=3, fraction=1.0)
+    coord = coordinator(
+        make_ctx, lambda tasks: [result_for(t, 9.0) for t in tasks[:2]], clients=3, fraction=1.0
+    )
     before = {k: v.clone() for k, v in coord.strategy.global_state.items()}
     record = coord.run_round(0)
     assert not record.aggregated and record.accepted == 2 and record.counters["rounds_below_quorum"] == 1
     assert all(torch.equal(v, before[k]) for k, v in coord.strategy.global_state.items())
-    relaxed = coordinator(make_ctx, lambda tasks: [result_for(t, 9.0) for t in tasks[:2]], clients=3, fraction=1.0,
-                          quorum=0.5)
+    relaxed = coordinator(
+        make_ctx, lambda tasks: [result_for(t, 9.0) for t in tasks[:2]], clients=3, fraction=1.0, quorum=0.5
+    )
     assert relaxed.run_round(0).aggregated
 
 
@@ -136,8 +160,14 @@ def test_rounds_are_persisted_as_metrics_and_checkpoints(make_ctx, tmp_path: Pat
 
 def test_resume_refuses_a_checkpoint_of_another_method(make_ctx, tmp_path: Path) -> None:
     coordinator(make_ctx, every_task, tmp=tmp_path, rounds=1).run()
-    other = Coordinator(create_strategy("heterofl", make_ctx()), ScriptedTransport(fleet(10), every_task),
-                        VirtualClock(), None, RoundPolicy(rounds=3), tmp_path)
+    other = Coordinator(
+        create_strategy("heterofl", make_ctx()),
+        ScriptedTransport(fleet(10), every_task),
+        VirtualClock(),
+        None,
+        RoundPolicy(rounds=3),
+        tmp_path,
+    )
     with pytest.raises(Exception, match="checkpoint is for method 'fedavg'"):
         other.resume()
 
@@ -146,26 +176,31 @@ class Interrupted(Exception):
     pass
 
 
-@pytest.mark.parametrize("method, arch, options", [
-    ("fedavg", "tinycnn", {}),
-    ("nefl-wd", "tinycnn", {}),
-    # Both keep per-device state between participations (auxiliary models; FedDyn's h_k): a resumed run
-    # must get it back from the checkpoint, or its clients restart from scratch.
-    ("m-fedepth", "preresnet20", {"budgets": "surplus"}),
-    ("depthfl", "tinycnn", {"feddyn_alpha": 0.1}),
-])
+@pytest.mark.parametrize(
+    "method, arch, options",
+    [
+        ("fedavg", "tinycnn", {}),
+        ("nefl-wd", "tinycnn", {}),
+        # Both keep per-device state between participations (auxiliary models; FedDyn's h_k): a resumed run
+        # must get it back from the checkpoint, or its clients restart from scratch.
+        ("m-fedepth", "preresnet20", {"budgets": "surplus"}),
+        ("depthfl", "tinycnn", {"feddyn_alpha": 0.1}),
+    ],
+)
 def test_resume_after_a_crash_gives_the_same_final_weights_as_an_uninterrupted_run(
     method: str, arch: str, options: dict, tmp_path: Path
 ) -> None:
     from nestling.simulator.run import run_simulation
 
-    cfg = config_from_dict({
-        "run": {"rounds": 3, "seed": 3, "workers": 1, "eval_every": 0},
-        "data": {"dataset": "synthetic", "clients": 4, "limit_train": 96, "limit_test": 20},
-        "model": {"arch": arch},
-        "method": {"name": method, **options},
-        "train": {"fraction": 1.0, "local_steps": 2, "batch_size": 16},
-    })
+    cfg = config_from_dict(
+        {
+            "run": {"rounds": 3, "seed": 3, "workers": 1, "eval_every": 0},
+            "data": {"dataset": "synthetic", "clients": 4, "limit_train": 96, "limit_test": 20},
+            "model": {"arch": arch},
+            "method": {"name": method, **options},
+            "train": {"fraction": 1.0, "local_steps": 2, "batch_size": 16},
+        }
+    )
     run_simulation(cfg, tmp_path / "straight")
 
     def crash_after_round_1(record) -> None:
@@ -180,5 +215,8 @@ def test_resume_after_a_crash_gives_the_same_final_weights_as_an_uninterrupted_r
     resumed, manifest = load_checkpoint(latest_checkpoint(tmp_path / "resumed" / "checkpoints"))
     assert manifest["round"] == 2 and set(straight) == set(resumed)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    rounds = [json.loads(line)["round"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [
+        json.loads(line)["round"]
+        for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert rounds == [0, 1, 2]

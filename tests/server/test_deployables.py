@@ -29,10 +29,17 @@ def device(device_id: str, index: int, **profile) -> DeviceInfo:
     return DeviceInfo(device_id, index, 50, profile=profile or None)
 
 
-@pytest.mark.parametrize("profile, wanted", [
-    (ASKS, True), ({"export": {"on_finish": False}}, False), ({"export": {"on_finish": "yes"}}, False),
-    ({"export": True}, False), ({}, False), (None, False),
-])
+@pytest.mark.parametrize(
+    "profile, wanted",
+    [
+        (ASKS, True),
+        ({"export": {"on_finish": False}}, False),
+        ({"export": {"on_finish": "yes"}}, False),
+        ({"export": True}, False),
+        ({}, False),
+        (None, False),
+    ],
+)
 def test_only_a_hello_that_asks_plainly_wants_an_export(profile, wanted):
     assert wants_export(profile) is wanted
 
@@ -69,7 +76,9 @@ def test_a_spec_the_method_does_not_evaluate_is_sliced_from_the_deployable_full_
     assert target.name == f"spec-{odd.id}" and target.spec == odd
     full = strategy.global_export_state()
     weight = next(k for k, v in target.state.items() if v.dim() == 4)
-    assert torch.equal(target.state[weight], full[weight][tuple(slice(0, n) for n in target.state[weight].shape)])
+    assert torch.equal(
+        target.state[weight], full[weight][tuple(slice(0, n) for n in target.state[weight].shape)]
+    )
 
 
 def test_orders_go_to_boards_that_asked_or_to_every_board(make_ctx):
@@ -81,9 +90,17 @@ def test_orders_go_to_boards_that_asked_or_to_every_board(make_ctx):
 
 
 def report(**changes) -> ExportReport:
-    made = ExportReport("a", "export-r0-a", "spec-a", "ok", submodel="full", models=["onnx"], bundle="/b/a",
-                        parity={"onnx_fp32": {"max_abs": 1e-7, "max_rel": 2e-7, "top1_agreement": 1.0}},
-                        latency_ms={"batch_1": {"onnxruntime": {"p50_ms": 0.25, "p90_ms": 0.5}}})
+    made = ExportReport(
+        "a",
+        "export-r0-a",
+        "spec-a",
+        "ok",
+        submodel="full",
+        models=["onnx"],
+        bundle="/b/a",
+        parity={"onnx_fp32": {"max_abs": 1e-7, "max_rel": 2e-7, "top1_agreement": 1.0}},
+        latency_ms={"batch_1": {"onnxruntime": {"p50_ms": 0.25, "p90_ms": 0.5}}},
+    )
     for key, value in changes.items():
         setattr(made, key, value)
     return made
@@ -109,19 +126,28 @@ def test_the_ledger_admits_one_report_per_order_and_names_every_refusal(make_ctx
     assert ledger.admit("a", report(spec_id=spec_id), "s", "s") is None
     assert ledger.admit("a", report(spec_id=spec_id), "s", "s") == "duplicate"
     assert ledger.pending() == ["b"]
-    failed = report(device_id="b", order_id="export-r0-b", spec_id="invalid-spec", status="failed", error="boom")
+    failed = report(
+        device_id="b", order_id="export-r0-b", spec_id="invalid-spec", status="failed", error="boom"
+    )
     assert ledger.admit("b", failed, "s", "s") is None and ledger.pending() == []
 
 
 def test_the_summary_lists_every_registered_device_reported_or_not(make_ctx):
     ledger = ledger_with_orders(make_ctx)
     ledger.admit("a", report(spec_id=ledger.orders["a"].spec_id), "s", "s")
-    records = {d: DeviceRecord(device(d, i, **(ASKS if d in "ae" else {})), online=d != "e", last_seen=0.0)
-               for i, d in enumerate("abcde")}
+    records = {
+        d: DeviceRecord(device(d, i, **(ASKS if d in "ae" else {})), online=d != "e", last_seen=0.0)
+        for i, d in enumerate("abcde")
+    }
     rows = {r["device_id"]: r for r in deployable_rows(records, ledger)}
     assert rows["a"]["status"] == "ok" and rows["a"]["bundle"] == "/b/a"
-    assert rows["b"] == {"device_id": "b", "status": "no report", "submodel": "full",
-                         "spec_id": ledger.orders["b"].spec_id, "order_id": "export-r0-b"}
+    assert rows["b"] == {
+        "device_id": "b",
+        "status": "no report",
+        "submodel": "full",
+        "spec_id": ledger.orders["b"].spec_id,
+        "order_id": "export-r0-b",
+    }
     assert rows["c"] == {"device_id": "c", "status": "not requested"} and rows["e"]["status"] == "offline"
     table = deployables_table(list(rows.values())).splitlines()
     assert table[0].split()[:3] == ["device", "status", "submodel"]
@@ -134,7 +160,10 @@ def test_fleet_toml_export_table(tmp_path):
     config = fleet_config_from_dict({"export": {"on_finish": "requested", "timeout_s": 30}}, tmp_path)
     assert (config.export.on_finish, config.export.timeout_s) == ("requested", 30.0)
     assert config.to_dict()["export"] == {"on_finish": "requested", "timeout_s": 30.0}
-    for table, message in (({"on_finish": "always"}, "on_finish must be one of off, requested, all"),
-                           ({"timeout_s": 0}, "timeout_s > 0"), ({"format": "onnx"}, "unknown keys")):
+    for table, message in (
+        ({"on_finish": "always"}, "on_finish must be one of off, requested, all"),
+        ({"timeout_s": 0}, "timeout_s > 0"),
+        ({"format": "onnx"}, "unknown keys"),
+    ):
         with pytest.raises(ConfigError, match=message):
             fleet_config_from_dict({"export": table}, tmp_path)

@@ -55,7 +55,9 @@ def test_server_and_five_agents_complete_three_rounds_on_the_embedded_broker(tmp
 
 
 @pytest.mark.mosquitto
-@pytest.mark.skipif(mosquitto_binary() is None, reason="mosquitto is not installed (apt-get install mosquitto)")
+@pytest.mark.skipif(
+    mosquitto_binary() is None, reason="mosquitto is not installed (apt-get install mosquitto)"
+)
 def test_server_and_five_agents_complete_three_rounds_on_mosquitto(tmp_path):
     port = find_free_port()
     broker = start_mosquitto(None, port)
@@ -68,15 +70,18 @@ def test_server_and_five_agents_complete_three_rounds_on_mosquitto(tmp_path):
 
 
 @pytest.mark.mosquitto
-@pytest.mark.skipif(mosquitto_binary() is None, reason="mosquitto is not installed (apt-get install mosquitto)")
+@pytest.mark.skipif(
+    mosquitto_binary() is None, reason="mosquitto is not installed (apt-get install mosquitto)"
+)
 def test_a_fleet_runs_over_tls_with_the_generated_broker_config(tmp_path):
     port = find_free_port()
     files = write_broker_config("secure", ["dev-0", "dev-1"], broker_folder(), port)
     broker = start_mosquitto(files.config, port)
     config = tmp_path / "fleet.toml"
     # the url comes from the credentials file (mqtts://localhost:<port>, checked against the broker's certificate)
-    config.write_text(fleet_toml("", "secure", devices=2, rounds=2,
-                                 credentials=str(files.credentials["nestling-server"])))
+    config.write_text(
+        fleet_toml("", "secure", devices=2, rounds=2, credentials=str(files.credentials["nestling-server"]))
+    )
     agents = start_agents(tmp_path, "", "secure", 2, credentials=files.credentials)
     try:
         summary = run_fleet(load_fleet_config(config))

@@ -78,8 +78,10 @@ def test_next_round_mostly_non_finite_rolls_the_previous_round_back(broker):
 
         def nan(task, board):
             result = honest(task, board)
-            result.weights = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
-                              for k, v in result.weights.items()}
+            result.weights = {
+                k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+                for k, v in result.weights.items()
+            }
             return result
 
         record = play_round(coordinator, devices, 2, {0: nan, 1: nan})
@@ -104,15 +106,25 @@ def test_retained_garbage_is_ignored_and_cleared_when_the_server_starts(broker):
     topics = FleetTopics(fleet)
     planter = make_client("planter")
     connect_and_wait(planter, broker.host, broker.port)
-    garbage = Result(round=0, device_id="board-0", task_id="r0-board-0", spec_id="0" * 12,
-                     weights={"x": torch.full((4,), 3.0e38)}, num_samples=10**9)
-    planter.publish(topics.result("board-0"), encode_result(garbage, "old-session"), qos=QOS,
-                    retain=True).wait_for_publish(5)
-    planter.publish(topics.hello("ghost"), encode_hello("ghost", {"num_samples": 10**8}), qos=QOS,
-                    retain=True).wait_for_publish(5)
+    garbage = Result(
+        round=0,
+        device_id="board-0",
+        task_id="r0-board-0",
+        spec_id="0" * 12,
+        weights={"x": torch.full((4,), 3.0e38)},
+        num_samples=10**9,
+    )
+    planter.publish(
+        topics.result("board-0"), encode_result(garbage, "old-session"), qos=QOS, retain=True
+    ).wait_for_publish(5)
+    planter.publish(
+        topics.hello("ghost"), encode_hello("ghost", {"num_samples": 10**8}), qos=QOS, retain=True
+    ).wait_for_publish(5)
     planter.disconnect()
     with fleet_server(broker, fleet, 2, 1) as (coordinator, transport, devices):
-        wait_until(lambda: transport.counters["ignored_retained"] >= 2, 10, "the retained frames to be ignored")
+        wait_until(
+            lambda: transport.counters["ignored_retained"] >= 2, 10, "the retained frames to be ignored"
+        )
         assert "ghost" not in {d.device_id for d in transport.devices()}
         record = play_round(coordinator, devices, 0, {})
         assert record.aggregated and record.accepted == 2
@@ -129,14 +141,28 @@ def test_extreme_numbers_in_every_field_are_refused_and_the_round_goes_on(broker
         frames = []
         for value in (10**400, -(10**400), 2**64, -1, 10**18):
             for field in ("num_samples", "index", "memory_budget_bytes"):
-                frames.append((topics.hello("board-1"), encode_hello("board-1", {"num_samples": 5, field: value})))
-            frames.append((topics.status("board-1"), encode_message(
-                "status", {"device_id": "board-1", "round": None, "meta": {"state": "online", "resources": {
-                    "big": value}}}).replace(b'"round":null', f'"round":{value}'.encode())))
+                frames.append(
+                    (topics.hello("board-1"), encode_hello("board-1", {"num_samples": 5, field: value}))
+                )
+            frames.append(
+                (
+                    topics.status("board-1"),
+                    encode_message(
+                        "status",
+                        {
+                            "device_id": "board-1",
+                            "round": None,
+                            "meta": {"state": "online", "resources": {"big": value}},
+                        },
+                    ).replace(b'"round":null', f'"round":{value}'.encode()),
+                )
+            )
         for topic, payload in frames:
             attacker.publish(topic, payload, qos=QOS).wait_for_publish(5)
-        attacker.publish(topics.status("board-1"), encode_status(DeviceStatus("board-1", "online", 0, {})),
-                         qos=QOS).wait_for_publish(5)
+        attacker.publish(
+            topics.status("board-1"), encode_status(DeviceStatus("board-1", "online", 0, {})), qos=QOS
+        ).wait_for_publish(5)
+
         def refused() -> int:
             transport.devices()  # the transport handles its inbox on the coordinator's calls
             return sum(v for k, v in transport.counters.items() if k.startswith("rejected_"))
@@ -149,7 +175,8 @@ def test_extreme_numbers_in_every_field_are_refused_and_the_round_goes_on(broker
                 if number == 1:
                     for value in (10**400, 2**64, 10**18):
                         raw = encode_result(honest(task, 1), session).replace(
-                            b'"num_samples":10', f'"num_samples":{value}'.encode())
+                            b'"num_samples":10', f'"num_samples":{value}'.encode()
+                        )
                         device.publish("result", raw)
                 device.send_result(honest(task, number), session)
             record = running.result(timeout=60)

@@ -27,17 +27,20 @@ def test_fleet_defaults_over_select_and_close_rounds_by_deadline(tmp_path):
     assert "password" not in str(config.to_dict())
 
 
-@pytest.mark.parametrize("table, message", [
-    ({"data": {"partition": "iid"}}, "belong in each agent.toml"),
-    ({"run": {"workers": 2}}, "simulation setting"),
-    ({"run": {"deadline_s": 0}}, "deadline_s must be > 0"),
-    ({"fleet": {"devices": 0}}, "devices"),
-    ({"fleet": {"devices": "four"}}, r"\[fleet\] devices must be int"),
-    ({"broker": {"url": "http://x"}}, "mqtt://"),
-    ({"broker": {"fleet": "a/b"}}, "fleet"),
-    ({"swarm": {}}, "unknown fleet config sections"),
-    ({"train": {"lr": -1}}, "lr must be > 0"),
-])
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"data": {"partition": "iid"}}, "belong in each agent.toml"),
+        ({"run": {"workers": 2}}, "simulation setting"),
+        ({"run": {"deadline_s": 0}}, "deadline_s must be > 0"),
+        ({"fleet": {"devices": 0}}, "devices"),
+        ({"fleet": {"devices": "four"}}, r"\[fleet\] devices must be int"),
+        ({"broker": {"url": "http://x"}}, "mqtt://"),
+        ({"broker": {"fleet": "a/b"}}, "fleet"),
+        ({"swarm": {}}, "unknown fleet config sections"),
+        ({"train": {"lr": -1}}, "lr must be > 0"),
+    ],
+)
 def test_mistakes_are_named(tmp_path, table, message):
     with pytest.raises(ConfigError, match=message):
         fleet_config_from_dict(table, tmp_path)

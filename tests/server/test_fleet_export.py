@@ -39,13 +39,17 @@ from tests.server.fleet_harness import FakeDevice, agent_toml, fleet_toml, spawn
 FLEET = "export-e2e"
 
 
-def test_a_run_ends_with_the_exporting_board_holding_a_verified_bundle_listed_in_the_summary(tmp_path, capsys):
+def test_a_run_ends_with_the_exporting_board_holding_a_verified_bundle_listed_in_the_summary(
+    tmp_path, capsys
+):
     bundle = tmp_path / "board-bundles" / "dev-0"
     with EmbeddedBroker() as broker:
         config = tmp_path / "fleet.toml"
         # 4 KiB chunks: tasks and the export order travel chunked
-        config.write_text(fleet_toml(broker.url, FLEET, devices=2, rounds=2, extra_fleet="chunk_kb = 4")
-                          + '[export]\non_finish = "requested"\ntimeout_s = 60\n')
+        config.write_text(
+            fleet_toml(broker.url, FLEET, devices=2, rounds=2, extra_fleet="chunk_kb = 4")
+            + '[export]\non_finish = "requested"\ntimeout_s = 60\n'
+        )
         agents = []
         # tinycnn at batch 16 needs ~0.96 MB for NeFL's k1 and 1.33 MB for the largest (profiler.planner)
         for i, budget in enumerate((1.0, 64.0)):
@@ -59,8 +63,13 @@ def test_a_run_ends_with_the_exporting_board_holding_a_verified_bundle_listed_in
                     eval_samples = 200
                     """)
             (tmp_path / f"agent-{i}.toml").write_text(text)
-            agents.append(spawn("nestling.edge.agent_cli", ["--config", str(tmp_path / f"agent-{i}.toml")],
-                                tmp_path / f"agent-{i}.log"))
+            agents.append(
+                spawn(
+                    "nestling.edge.agent_cli",
+                    ["--config", str(tmp_path / f"agent-{i}.toml")],
+                    tmp_path / f"agent-{i}.log",
+                )
+            )
         try:
             summary = run_fleet(load_fleet_config(config))
         finally:
@@ -77,12 +86,17 @@ def test_a_run_ends_with_the_exporting_board_holding_a_verified_bundle_listed_in
     assert (row["submodel"], row["spec_id"]) == ("k1", k1)  # the submodel its memory budget buys
     assert row["models"] == ["onnx"] and row["bundle"] == str(bundle.resolve())
     assert row["tensorrt"]["requested"] is True and row["tensorrt"]["built"] is False
-    assert "TensorRT skipped, ONNX only" in row["tensorrt"]["reason"] and "NVIDIA GPU" in row["tensorrt"]["reason"]
+    assert (
+        "TensorRT skipped, ONNX only" in row["tensorrt"]["reason"]
+        and "NVIDIA GPU" in row["tensorrt"]["reason"]
+    )
     assert row["parity"]["onnx_fp32"]["max_rel"] <= 1e-4 and row["parity"]["onnx_fp32"]["max_abs"] <= 1e-4
     assert row["latency_ms"]["batch_1"]["onnxruntime"]["p50_ms"] > 0
     assert row["files"] == {name: sha256_file(bundle / name) for name in row["files"]}
     assert set(row["files"]) == {"model.onnx", "bundle.json"}
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["deployables"] == summary["deployables"]
+    assert (
+        json.loads((tmp_path / "out" / "summary.json").read_text())["deployables"] == summary["deployables"]
+    )
 
     printed = capsys.readouterr().out
     assert re.search(r"^dev-0 +ok +k1 +onnx +\d", printed, re.MULTILINE), printed
@@ -104,14 +118,20 @@ def exchange():
     with EmbeddedBroker() as broker:
         topics = FleetTopics("scripted")
         client = make_client("server-scripted", will=(topics.server_status, OFFLINE, True))
-        transport = MqttTransport(client, topics, DeviceRegistry(heartbeat_timeout_s=30), WallClock(),
-                                  TransportSettings(chunk_size=1024, stall_s=0.3, device_wait_s=5))
+        transport = MqttTransport(
+            client,
+            topics,
+            DeviceRegistry(heartbeat_timeout_s=30),
+            WallClock(),
+            TransportSettings(chunk_size=1024, stall_s=0.3, device_wait_s=5),
+        )
         transport.connect(broker.host, broker.port)
         board = FakeDevice(broker.host, broker.port, "scripted", "board-a")
         board.hello(tier=0, export={"on_finish": True, "format": "onnx"})
         (info,) = transport.wait_for_devices(1, 5)
-        ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=2,
-                              total_rounds=1)
+        ctx = StrategyContext(
+            arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=2, total_rounds=1
+        )
         (order,) = export_orders(create_strategy("nefl-wd", ctx), [info], 0, "requested")
         try:
             yield transport, board, order
@@ -128,8 +148,16 @@ def pump_until(transport, condition, timeout=5.0) -> None:
 
 
 def good_report(order, **changes) -> ExportReport:
-    made = ExportReport(order.device_id, order.order_id, order.spec_id, "ok", submodel=order.name, models=["onnx"],
-                        bundle="/srv/bundle", parity={"onnx_fp32": {"max_abs": 1e-7, "max_rel": 1e-7}})
+    made = ExportReport(
+        order.device_id,
+        order.order_id,
+        order.spec_id,
+        "ok",
+        submodel=order.name,
+        models=["onnx"],
+        bundle="/srv/bundle",
+        parity={"onnx_fp32": {"max_abs": 1e-7, "max_rel": 1e-7}},
+    )
     for key, value in changes.items():
         setattr(made, key, value)
     return made
@@ -149,7 +177,11 @@ def test_a_lost_chunk_of_the_export_order_is_sent_again_on_the_ctrl_topic(exchan
     pump_until(transport, lambda: transport.counters.get("export_chunks_resent", 0) == 1)
     resent = board.next_ctrl()  # on ctrl, where the board listens for its order, not on its task topic
     received, session = decode_export_order(decode_message(board.inbound.add(resent)))
-    assert (received.order_id, received.spec_id, session) == (order.order_id, order.spec_id, transport.session)
+    assert (received.order_id, received.spec_id, session) == (
+        order.order_id,
+        order.spec_id,
+        transport.session,
+    )
     assert all(torch.equal(received.weights[k], v) for k, v in order.weights.items())
 
 
@@ -158,13 +190,21 @@ def test_reports_are_admitted_once_and_bad_ones_refused_with_a_named_reason(exch
     transport.send_exports([order])
     forged = {"session": transport.session, **good_report(order).to_dict(), "status": "perhaps"}
     del forged["device_id"], forged["spec_id"]
-    board.publish("result", encode_message("export_report", {"device_id": "board-a", "spec_id": order.spec_id,
-                                                             "meta": forged}))
+    board.publish(
+        "result",
+        encode_message("export_report", {"device_id": "board-a", "spec_id": order.spec_id, "meta": forged}),
+    )
     board.publish("result", encode_export_report(good_report(order), "old-session"))
-    board.publish("result", encode_export_report(good_report(order, order_id="export-r7-board-a"), transport.session))
+    board.publish(
+        "result", encode_export_report(good_report(order, order_id="export-r7-board-a"), transport.session)
+    )
     board.publish("result", encode_export_report(good_report(order, spec_id="abc"), transport.session))
-    board.publish("result", encode_message("export_report", {"device_id": "board-a", "meta": {}},
-                                           {"padding": torch.zeros(20_000)}))
+    board.publish(
+        "result",
+        encode_message(
+            "export_report", {"device_id": "board-a", "meta": {}}, {"padding": torch.zeros(20_000)}
+        ),
+    )
     assert transport.wait_exports(0.5) == {}
     board.publish("result", encode_export_report(good_report(order), transport.session))
     reports = transport.wait_exports(5)
@@ -172,8 +212,14 @@ def test_reports_are_admitted_once_and_bad_ones_refused_with_a_named_reason(exch
     board.publish("result", encode_export_report(good_report(order), transport.session))
     pump_until(transport, lambda: transport.counters.get("rejected_duplicate", 0) == 1)
     rejected = {k: v for k, v in transport.counters.items() if k.startswith("rejected_")}
-    assert rejected == {"rejected_malformed": 1, "rejected_stale_session": 1, "rejected_unknown_export": 1,
-                        "rejected_wrong_spec": 1, "rejected_oversized": 1, "rejected_duplicate": 1}
+    assert rejected == {
+        "rejected_malformed": 1,
+        "rejected_stale_session": 1,
+        "rejected_unknown_export": 1,
+        "rejected_wrong_spec": 1,
+        "rejected_oversized": 1,
+        "rejected_duplicate": 1,
+    }
     assert transport.counters["export_reports"] == 1
 
 

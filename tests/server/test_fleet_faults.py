@@ -27,7 +27,9 @@ from tests.server.fleet_harness import (
 def test_an_agent_killed_mid_round_is_dropped_and_the_next_round_proceeds(tmp_path):
     with EmbeddedBroker() as broker:
         config = tmp_path / "fleet.toml"
-        config.write_text(fleet_toml(broker.url, "kill-agent", devices=4, rounds=3, deadline_s=60, local_steps=30))
+        config.write_text(
+            fleet_toml(broker.url, "kill-agent", devices=4, rounds=3, deadline_s=60, local_steps=30)
+        )
         agents = start_agents(tmp_path, broker.url, "kill-agent", 4)
         watch = FleetWatch(broker.host, broker.port, "kill-agent")
         killed = watch.when_task(1, lambda: os.kill(agents[0].pid, signal.SIGKILL), device_id="dev-0")
@@ -58,7 +60,9 @@ def test_a_server_killed_mid_round_resumes_and_agents_come_back_by_themselves(tm
             wait_until(killed.is_set, 120, "round 2's first task")
             server.wait(10)
             before = metrics(tmp_path / "out")
-            resumed = spawn("nestling.server.fleet", ["--config", str(config), "--resume"], tmp_path / "server-2.log")
+            resumed = spawn(
+                "nestling.server.fleet", ["--config", str(config), "--resume"], tmp_path / "server-2.log"
+            )
             assert resumed.wait(120) == 0, (tmp_path / "server-2.log").read_text()[-3000:]
             assert all(agent.poll() is None for agent in agents)  # nobody restarted the agents
         finally:
@@ -78,7 +82,9 @@ def test_a_broker_restart_mid_run_is_survived_by_server_and_agents(tmp_path):
     url = f"mqtt://127.0.0.1:{port}"
     broker = EmbeddedBroker(port=port).start()
     config = tmp_path / "fleet.toml"
-    config.write_text(fleet_toml(url, "restart", devices=3, rounds=4, deadline_s=60, local_steps=20))  # a busy box stays inside it
+    config.write_text(
+        fleet_toml(url, "restart", devices=3, rounds=4, deadline_s=60, local_steps=20)
+    )  # a busy box stays inside it
     agents = start_agents(tmp_path, url, "restart", 3)
     try:
         with ThreadPoolExecutor(1) as pool:

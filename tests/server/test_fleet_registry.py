@@ -10,8 +10,9 @@ from nestling.server.registry import DeviceRegistry
 
 def test_a_hello_becomes_device_info_and_indices_survive_a_restart(tmp_path):
     registry = DeviceRegistry(tmp_path / "registry.json")
-    first = registry.register("b", {"num_samples": 7, "index": 3, "labels": [2, 0, 2],
-                                    "memory_budget_bytes": 1 << 20}, now=0.0)
+    first = registry.register(
+        "b", {"num_samples": 7, "index": 3, "labels": [2, 0, 2], "memory_budget_bytes": 1 << 20}, now=0.0
+    )
     second = registry.register("a", {"num_samples": 9, "index": 3}, now=0.0)  # 3 is taken: next free index
     assert (first.index, first.labels, first.memory_budget_bytes) == (3, (0, 2), 1 << 20)
     assert second.index == 0
@@ -32,9 +33,18 @@ def test_liveness_follows_last_will_and_heartbeats():
     assert [d.device_id for d in registry.available()] == ["a"]
 
 
-@pytest.mark.parametrize("profile", [{}, {"num_samples": -1}, {"num_samples": 1.5}, {"num_samples": True},
-                                     {"num_samples": 1, "labels": "all"}, {"num_samples": 1, "index": -1},
-                                     {"num_samples": 1, "memory_budget_bytes": 0}])
+@pytest.mark.parametrize(
+    "profile",
+    [
+        {},
+        {"num_samples": -1},
+        {"num_samples": 1.5},
+        {"num_samples": True},
+        {"num_samples": 1, "labels": "all"},
+        {"num_samples": 1, "index": -1},
+        {"num_samples": 1, "memory_budget_bytes": 0},
+    ],
+)
 def test_unusable_profiles_are_refused_and_register_nothing(profile):
     registry = DeviceRegistry()
     with pytest.raises(WireError):

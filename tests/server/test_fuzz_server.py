@@ -60,7 +60,10 @@ def hostile_messages(tasks: dict[str, tuple[Task, str]], seed: int = 0) -> Itera
     poisoned = {}  # per board: a frame invalid twice over (foreign session and NaN), to mutate at random
     for board, (task, _) in tasks.items():
         bad = echo_result(task)
-        bad.weights = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in bad.weights.items()}
+        bad.weights = {
+            k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+            for k, v in bad.weights.items()
+        }
         poisoned[board] = encode_result(bad, "not-this-server")
 
     def result_topic() -> tuple[str, str]:
@@ -89,12 +92,20 @@ def hostile_messages(tasks: dict[str, tuple[Task, str]], seed: int = 0) -> Itera
         if rng.random() < 0.5:
             frame[4] = rng.randrange(2, 256)
         else:
-            frame = bytearray(bytes(frame).replace(b'"schema":1', f'"schema":{rng.randrange(2, 10)}'.encode()))
+            frame = bytearray(
+                bytes(frame).replace(b'"schema":1', f'"schema":{rng.randrange(2, 10)}'.encode())
+            )
         yield [(topic, bytes(frame))]
     for _ in range(20):  # oversized: far beyond what the task's slice can be
         board, topic = result_topic()
-        yield [(topic, encode_message("result", {"round": 0, "device_id": board, "meta": {}},
-                                      {"x": torch.zeros(600_000)}))]
+        yield [
+            (
+                topic,
+                encode_message(
+                    "result", {"round": 0, "device_id": board, "meta": {}}, {"x": torch.zeros(600_000)}
+                ),
+            )
+        ]
     for index in range(50):  # whole chunked transfers of bad results
         board, topic = result_topic()
         task, session = tasks[board]
@@ -102,8 +113,14 @@ def hostile_messages(tasks: dict[str, tuple[Task, str]], seed: int = 0) -> Itera
         yield [(topic, chunk) for chunk in split_into_chunks(f"hostile-{index}", payload, 1024)]
     for index in range(80):  # chunks whose layout lies (count, size, index), each its own transfer
         board, topic = result_topic()
-        header = {"transfer_id": f"lying-{index}", "index": rng.randrange(5, 50), "count": rng.randrange(1, 5),
-                  "chunk_size": 1024, "total_length": rng.randrange(0, 5000), "payload_sha256": "0" * 64}
+        header = {
+            "transfer_id": f"lying-{index}",
+            "index": rng.randrange(5, 50),
+            "count": rng.randrange(1, 5),
+            "chunk_size": 1024,
+            "total_length": rng.randrange(0, 5000),
+            "payload_sha256": "0" * 64,
+        }
         yield [(topic, pack_frame(CHUNK_KIND, header, rng.randbytes(rng.randrange(1, 1024))))]
     for index in range(50):  # re-requests for transfers never sent to the asker
         yield [(result_topic()[1], encode_chunk_request(f"never-{index}", [rng.randrange(100)]))]
@@ -113,18 +130,34 @@ def hostile_messages(tasks: dict[str, tuple[Task, str]], seed: int = 0) -> Itera
         yield [(topics.result(intruder), encode_result(echo_result(task, device_id=intruder), session))]
     for _ in range(100):  # unusable hellos
         board = rng.choice(boards)
-        profile = rng.choice([{}, {"num_samples": -1}, {"num_samples": "many"}, {"num_samples": 5, "labels": "all"},
-                              {"num_samples": 5, "memory_budget_bytes": 0}, {"num_samples": 5, "index": -3},
-                              {"num_samples": True}])
-        payload = rng.choice([encode_hello(board, profile), encode_hello("someone-else", {"num_samples": 3}),
-                              rng.randbytes(rng.randrange(0, 300))])
+        profile = rng.choice(
+            [
+                {},
+                {"num_samples": -1},
+                {"num_samples": "many"},
+                {"num_samples": 5, "labels": "all"},
+                {"num_samples": 5, "memory_budget_bytes": 0},
+                {"num_samples": 5, "index": -3},
+                {"num_samples": True},
+            ]
+        )
+        payload = rng.choice(
+            [
+                encode_hello(board, profile),
+                encode_hello("someone-else", {"num_samples": 3}),
+                rng.randbytes(rng.randrange(0, 300)),
+            ]
+        )
         yield [(topics.hello(board), payload)]
     for _ in range(100):  # unusable heartbeats
         board = rng.choice(boards)
-        payload = rng.choice([rng.randbytes(rng.randrange(1, 300)),
-                              encode_message("status", {"device_id": board, "meta": {"state": "dancing",
-                                                                                    "resources": {}}}),
-                              encode_status(DeviceStatus("someone-else", "online", 0, {}))])
+        payload = rng.choice(
+            [
+                rng.randbytes(rng.randrange(1, 300)),
+                encode_message("status", {"device_id": board, "meta": {"state": "dancing", "resources": {}}}),
+                encode_status(DeviceStatus("someone-else", "online", 0, {})),
+            ]
+        )
         yield [(topics.status(board), payload)]
     for name in ("..", "-" * 65):  # device ids no legal device can have
         for _ in range(10):
@@ -138,13 +171,19 @@ def rejected(transport: MqttTransport) -> int:
 @pytest.fixture
 def running_server():
     with EmbeddedBroker() as broker:
-        ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=2,
-                              total_rounds=2)
+        ctx = StrategyContext(
+            arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=2, total_rounds=2
+        )
         strategy = create_strategy("nefl-wd", ctx)
         topics = FleetTopics(FLEET)
         client = make_client("fuzz-server", will=(topics.server_status, OFFLINE, True))
-        transport = MqttTransport(client, topics, DeviceRegistry(), WallClock(),
-                                  TransportSettings(chunk_size=1024, device_wait_s=10, rehello_every_s=0.0))
+        transport = MqttTransport(
+            client,
+            topics,
+            DeviceRegistry(),
+            WallClock(),
+            TransportSettings(chunk_size=1024, device_wait_s=10, rehello_every_s=0.0),
+        )
         transport.connect(broker.host, broker.port)
         boards = [FakeDevice(broker.host, broker.port, FLEET, f"board-{i}") for i in range(2)]
         for index, board in enumerate(boards):
@@ -182,9 +221,19 @@ def test_hostile_messages_are_all_refused_and_the_global_model_is_unchanged(runn
     after = strategy.state_tensors()
     assert all(torch.equal(before[k], after[k]) for k in before)
     reasons = {k for k, v in transport.counters.items() if k.startswith("rejected_") and v}
-    assert {"rejected_malformed", "rejected_sha_mismatch", "rejected_unknown_schema", "rejected_oversized",
-            "rejected_wrong_tensors", "rejected_non_finite", "rejected_future", "rejected_unknown_task",
-            "rejected_wrong_device", "rejected_stale_session", "rejected_unknown_device"} <= reasons
+    assert {
+        "rejected_malformed",
+        "rejected_sha_mismatch",
+        "rejected_unknown_schema",
+        "rejected_oversized",
+        "rejected_wrong_tensors",
+        "rejected_non_finite",
+        "rejected_future",
+        "rejected_unknown_task",
+        "rejected_wrong_device",
+        "rejected_stale_session",
+        "rejected_unknown_device",
+    } <= reasons
 
     # Still serving: honest boards come back and their results of the next round are applied.
     for index, board in enumerate(boards):

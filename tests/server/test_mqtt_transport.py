@@ -38,8 +38,9 @@ def fleet():
 
 @pytest.fixture
 def strategy():
-    ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=2,
-                          total_rounds=3)
+    ctx = StrategyContext(
+        arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=2, total_rounds=3
+    )
     return create_strategy("nefl-wd", ctx)
 
 
@@ -47,8 +48,13 @@ def strategy():
 def transport(broker, fleet):
     topics = FleetTopics(fleet)
     client = make_client(f"server-{fleet}", will=(topics.server_status, OFFLINE, True))
-    made = MqttTransport(client, topics, DeviceRegistry(heartbeat_timeout_s=30), WallClock(),
-                         TransportSettings(chunk_size=1024, stall_s=0.3, device_wait_s=5))
+    made = MqttTransport(
+        client,
+        topics,
+        DeviceRegistry(heartbeat_timeout_s=30),
+        WallClock(),
+        TransportSettings(chunk_size=1024, stall_s=0.3, device_wait_s=5),
+    )
     made.connect(broker.host, broker.port)
     yield made
     made.close()
@@ -101,8 +107,10 @@ def test_hello_registers_the_device_with_its_profile(transport, device):
 
 def test_a_chunked_task_arrives_whole_and_its_echo_is_accepted_once(transport, device, strategy):
     task, session = dispatch_one(transport, device, strategy)
-    assert all(torch.equal(v, strategy.assign(0, [transport.registry.available()[0]])[device.device_id].weights[k])
-               for k, v in task.weights.items())
+    assert all(
+        torch.equal(v, strategy.assign(0, [transport.registry.available()[0]])[device.device_id].weights[k])
+        for k, v in task.weights.items()
+    )
     device.send_result(echo_result(task), session, chunk_size=1024)
     delivery = collect(transport)
     assert [r.task_id for r in delivery.results] == [task.task_id]
@@ -123,19 +131,38 @@ def test_only_the_missing_chunks_are_requested_again(transport, device, strategy
     assert len(delivery.results) == 1 and transport.counters["rerequests"] == 1
 
 
-@pytest.mark.parametrize("breakage, reason", [
-    (lambda t: {"weights": {**t.weights, "extra.weight": torch.zeros(2)}}, "wrong_tensors"),
-    (lambda t: {"weights": {k: torch.zeros(3, 3) if i == 0 else v for i, (k, v) in enumerate(t.weights.items())}},
-     "wrong_tensors"),
-    (lambda t: {"weights": {k: v.double() if v.is_floating_point() else v for k, v in t.weights.items()}},
-     "wrong_tensors"),
-    (lambda t: {"weights": {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
-                           for k, v in t.weights.items()}},
-     "non_finite"),
-    (lambda t: {"round": 7}, "future"),  # round 7 has not started: not "stale"
-    (lambda t: {"task_id": "r0-someone-else"}, "unknown_task"),
-    (lambda t: {"device_id": "board-b"}, "wrong_device"),
-])
+@pytest.mark.parametrize(
+    "breakage, reason",
+    [
+        (lambda t: {"weights": {**t.weights, "extra.weight": torch.zeros(2)}}, "wrong_tensors"),
+        (
+            lambda t: {
+                "weights": {
+                    k: torch.zeros(3, 3) if i == 0 else v for i, (k, v) in enumerate(t.weights.items())
+                }
+            },
+            "wrong_tensors",
+        ),
+        (
+            lambda t: {
+                "weights": {k: v.double() if v.is_floating_point() else v for k, v in t.weights.items()}
+            },
+            "wrong_tensors",
+        ),
+        (
+            lambda t: {
+                "weights": {
+                    k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+                    for k, v in t.weights.items()
+                }
+            },
+            "non_finite",
+        ),
+        (lambda t: {"round": 7}, "future"),  # round 7 has not started: not "stale"
+        (lambda t: {"task_id": "r0-someone-else"}, "unknown_task"),
+        (lambda t: {"device_id": "board-b"}, "wrong_device"),
+    ],
+)
 def test_results_that_do_not_match_their_task_are_refused(transport, device, strategy, breakage, reason):
     task, session = dispatch_one(transport, device, strategy)
     device.send_result(echo_result(task, **breakage(task)), session)
@@ -159,8 +186,12 @@ def test_corrupt_and_foreign_frames_are_refused_with_their_reason(transport, dev
     stranger.close()
     pump_until(transport, lambda: sum(rejections(transport).values()) >= 5)
     assert rejections(transport) == {
-        "rejected_sha_mismatch": 1, "rejected_malformed": 1, "rejected_unknown_schema": 1,
-        "rejected_stale_session": 1, "rejected_unknown_device": 1}
+        "rejected_sha_mismatch": 1,
+        "rejected_malformed": 1,
+        "rejected_unknown_schema": 1,
+        "rejected_stale_session": 1,
+        "rejected_unknown_device": 1,
+    }
     assert transport.counters["accepted"] == 0
 
 
@@ -204,8 +235,13 @@ def test_wait_blocks_on_the_wall_clock_until_the_deadline(transport, device, str
 def test_heartbeats_keep_a_device_available_and_silence_expires_it(broker, fleet, device):
     topics = FleetTopics(fleet)
     client = make_client(f"server-{fleet}", will=(topics.server_status, OFFLINE, True))
-    transport = MqttTransport(client, topics, DeviceRegistry(heartbeat_timeout_s=0.6), WallClock(),
-                              TransportSettings(device_wait_s=2))
+    transport = MqttTransport(
+        client,
+        topics,
+        DeviceRegistry(heartbeat_timeout_s=0.6),
+        WallClock(),
+        TransportSettings(device_wait_s=2),
+    )
     transport.connect(broker.host, broker.port)
     try:
         device.publish("hello", encode_hello(device.device_id, {"num_samples": 5}))

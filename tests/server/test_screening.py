@@ -20,10 +20,22 @@ from nestling.server.screening import (
 
 
 def pair(update: float, n: int = 4) -> tuple[Task, Result]:
-    task = Task(round=0, device_id="d", spec={}, weights={"w": torch.ones(n), "steps": torch.tensor(3)},
-                procedure="sgd", task_id="t")
-    result = Result(round=0, device_id="d", task_id="t", spec_id="s", num_samples=1,
-                    weights={"w": torch.ones(n) + update, "steps": torch.tensor(9)})
+    task = Task(
+        round=0,
+        device_id="d",
+        spec={},
+        weights={"w": torch.ones(n), "steps": torch.tensor(3)},
+        procedure="sgd",
+        task_id="t",
+    )
+    result = Result(
+        round=0,
+        device_id="d",
+        task_id="t",
+        spec_id="s",
+        num_samples=1,
+        weights={"w": torch.ones(n) + update, "steps": torch.tensor(9)},
+    )
     return task, result
 
 
@@ -38,7 +50,9 @@ def test_outliers_are_judged_against_the_others_median_rms() -> None:
     refused = outliers(sizes, RobustPolicy())
     assert list(refused) == [3]  # the small submodel's update (rms 0.1) is not an outlier
     assert "median" in refused[3]
-    assert list(outliers([UpdateSize(1.0, 10), UpdateSize(50.0, 10)], RobustPolicy())) == [1]  # two boards suffice
+    assert list(outliers([UpdateSize(1.0, 10), UpdateSize(50.0, 10)], RobustPolicy())) == [
+        1
+    ]  # two boards suffice
 
 
 def test_absolute_bound_and_clipping() -> None:

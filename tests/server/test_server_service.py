@@ -21,7 +21,10 @@ def test_the_unit_resumes_the_server_after_a_crash_once_the_network_is_up() -> N
 
 
 def test_install_service_writes_the_unit_for_a_valid_config(tmp_path: Path, capsys) -> None:
-    assert server_main(["install-service", "--config", str(EXAMPLE), "--out", str(tmp_path), "--user", "fl"]) == 0
+    assert (
+        server_main(["install-service", "--config", str(EXAMPLE), "--out", str(tmp_path), "--user", "fl"])
+        == 0
+    )
     assert (tmp_path / UNIT_NAME).read_text() == unit_text(SERVER_SERVICE, EXAMPLE, user="fl")
     assert "systemctl enable --now nestling-server.service" in capsys.readouterr().out
 

@@ -104,7 +104,6 @@ class TestGrouping:
         assert sorted(map(len, split_jobs(tasks, 2, BatchPolicy("off"), lambda _: 24))) == [2, 3]
         assert split_jobs(tasks, 2, BatchPolicy("on"), lambda _: 24) == [[0, 2, 4], [1, 3]]
 
-
     def test_without_batching_each_worker_gets_one_job_of_near_equal_predicted_cost(self) -> None:
         assert balanced_jobs([5.0, 1.0, 4.0, 2.0, 3.0], 2) in ([[0, 1, 3], [2, 4]], [[2, 4], [0, 1, 3]])
         assert balanced_jobs([1.0, 1.0], 4) == [[0], [1]]  # never an empty job
@@ -149,9 +148,15 @@ class TestPolicy:
 @pytest.mark.slow
 def test_compiled_client_training_matches_eager_training() -> None:
     tasks, datas = make_tasks(2, momentum=0.9), [client_data(0), client_data(1)]
-    eager = run_tasks(tasks, {t.device_id: d for t, d in zip(tasks, datas)}.__getitem__, {}, "cpu", BatchPolicy())
+    eager = run_tasks(
+        tasks, {t.device_id: d for t, d in zip(tasks, datas)}.__getitem__, {}, "cpu", BatchPolicy()
+    )
     compiled = run_tasks(
-        tasks, {t.device_id: d for t, d in zip(tasks, datas)}.__getitem__, {}, "cpu", BatchPolicy(compile=True)
+        tasks,
+        {t.device_id: d for t, d in zip(tasks, datas)}.__getitem__,
+        {},
+        "cpu",
+        BatchPolicy(compile=True),
     )
     for one, other in zip(eager, compiled):
         for key in one.weights:

@@ -91,9 +91,16 @@ def test_local_steps_fix_the_samples_trained() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 9, 16, 17, 30])
-@pytest.mark.parametrize("hp", [{"local_epochs": 1, "batch_size": 8}, {"local_epochs": 3, "batch_size": 4},
-                                {"local_steps": 7, "batch_size": 8}, {"local_steps": 3, "batch_size": 64},
-                                {"local_epochs": 2, "batch_size": 2}])
+@pytest.mark.parametrize(
+    "hp",
+    [
+        {"local_epochs": 1, "batch_size": 8},
+        {"local_epochs": 3, "batch_size": 4},
+        {"local_steps": 7, "batch_size": 8},
+        {"local_steps": 3, "batch_size": 64},
+        {"local_epochs": 2, "batch_size": 2},
+    ],
+)
 def test_samples_trained_counts_what_the_local_procedures_really_draw(n: int, hp: dict) -> None:
     from nestling.edge.procedures import ClientData
     from nestling.edge.procedures.common import batches

@@ -15,12 +15,15 @@ from nestling.simulator.run import run_simulation
 
 
 def tiny(method: str = "fedavg", **run: object):
-    return config_from_dict({
-        "run": {"rounds": 2, "seed": 3, "workers": 1, "eval_every": 2, "quorum": 0.6, **run},
-        "data": {"dataset": "digits", "clients": 4, "limit_train": 400, "limit_test": 100},
-        "model": {"arch": "tinycnn"}, "method": {"name": method},
-        "train": {"fraction": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
-    })
+    return config_from_dict(
+        {
+            "run": {"rounds": 2, "seed": 3, "workers": 1, "eval_every": 2, "quorum": 0.6, **run},
+            "data": {"dataset": "digits", "clients": 4, "limit_train": 400, "limit_test": 100},
+            "model": {"arch": "tinycnn"},
+            "method": {"name": method},
+            "train": {"fraction": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        }
+    )
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -46,7 +49,10 @@ def test_a_huge_valued_board_is_refused_in_the_simulator(tmp_path: Path) -> None
 @pytest.mark.parametrize("method", ["heterofl", "nefl-wd", "depthfl"])
 @pytest.mark.parametrize("rule", ["trimmed_mean", "median"])
 def test_robust_rules_aggregate_every_nested_strategy(tmp_path: Path, method: str, rule: str) -> None:
-    run_simulation(tiny(method, aggregation=rule, rounds=1, eval_every=1), tmp_path / rule,
-                   tamper=ATTACKS["sign_flipped"])
+    run_simulation(
+        tiny(method, aggregation=rule, rounds=1, eval_every=1),
+        tmp_path / rule,
+        tamper=ATTACKS["sign_flipped"],
+    )
     weights = final_weights(tmp_path / rule)
     assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.is_floating_point())

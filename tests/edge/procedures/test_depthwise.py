@@ -39,9 +39,13 @@ def snapshot(net: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fedepth(net: ScalableNet, plan: StagePlan, store: DeviceStore | None = None, **hp: Any):
-    return get_procedure("fedepth")(net, data(), {**HP, "plan": plan.to_dict(), **hp},
-                                    store if store is not None else DeviceStore(),
-                                    torch.Generator().manual_seed(5))
+    return get_procedure("fedepth")(
+        net,
+        data(),
+        {**HP, "plan": plan.to_dict(), **hp},
+        store if store is not None else DeviceStore(),
+        torch.Generator().manual_seed(5),
+    )
 
 
 def trained_prefixes(plan: StagePlan, j: int, *, head: str = "head.") -> tuple[str, ...]:
@@ -55,7 +59,11 @@ def test_the_link_is_parameter_free_zero_outside_its_centre_and_a_strided_sample
     assert torch.equal(out[:, 24:40], z[:, :, ::4, ::4])  # pad 24 | 16 | 24 (METHODS §3.a.3)
     assert not out[:, :24].any() and not out[:, 40:].any()
     odd = skip_link(torch.randn(1, 3, 4, 4), 2, 8)
-    assert torch.equal(odd[:, 2:5], skip_link(odd[:, 2:5], 1, 3)) and not odd[:, :2].any() and not odd[:, 5:].any()
+    assert (
+        torch.equal(odd[:, 2:5], skip_link(odd[:, 2:5], 1, 3))
+        and not odd[:, :2].any()
+        and not odd[:, 5:].any()
+    )
     tokens = torch.randn(2, 5, 7)
     assert skip_link(tokens, 4, 64) is tokens  # ViT stages already have the head's shape
 
@@ -127,10 +135,14 @@ def test_bypassed_blocks_are_unchanged_in_the_upload_and_can_be_left_out() -> No
     for key, value in state.items():
         if key.startswith(tuple(f"blocks.{b}." for b in plan.bypass)):
             assert torch.equal(value, initial[key]), key
-    assert not torch.equal(state["stem.conv.weight"], initial["stem.conv.weight"])  # the stem-only stage trained it
+    assert not torch.equal(
+        state["stem.conv.weight"], initial["stem.conv.weight"]
+    )  # the stem-only stage trained it
     assert outcome.extra == {"stages": 3, "bypassed": 4, "models": 1} and not outcome.untouched
     left_out = fedepth(network(), plan, aggregate_bypassed=False).untouched
-    assert left_out == {k for k in state if k.startswith(("blocks.0.", "blocks.1.", "blocks.2.", "blocks.3."))}
+    assert left_out == {
+        k for k in state if k.startswith(("blocks.0.", "blocks.1.", "blocks.2.", "blocks.3."))
+    }
 
 
 def test_stages_ending_early_train_their_own_auxiliary_head_in_the_aux_variant() -> None:
@@ -144,7 +156,9 @@ def test_stages_ending_early_train_their_own_auxiliary_head_in_the_aux_variant()
         if j < 2:
             frozen_head_in_early_stages.append(torch.equal(net.head.fc.weight, initial["head.fc.weight"]))
 
-    run_stages([net], THREE_STAGES, data(), {**HP, "variant": "aux"}, torch.Generator().manual_seed(0), observe)
+    run_stages(
+        [net], THREE_STAGES, data(), {**HP, "variant": "aux"}, torch.Generator().manual_seed(0), observe
+    )
     assert frozen_head_in_early_stages == [True] * 6
     final = net.state_dict()
     for key in ("exits.1.fc.weight", "exits.4.fc.weight", "head.fc.weight"):
@@ -163,7 +177,9 @@ def test_mutual_loss_has_no_distillation_term_between_identical_models() -> None
     logits = torch.randn(6, 4)
     y = torch.tensor([0, 1, 2, 3, 0, 1])
     total, first = mutual_loss([logits, logits.clone()], y, {})
-    assert torch.allclose(total, 2 * F.cross_entropy(logits, y)) and torch.allclose(first, F.cross_entropy(logits, y))
+    assert torch.allclose(total, 2 * F.cross_entropy(logits, y)) and torch.allclose(
+        first, F.cross_entropy(logits, y)
+    )
     different, _ = mutual_loss([logits, torch.randn(6, 4)], y, {})
     single, _ = mutual_loss([logits], y, {})
     assert torch.allclose(single, F.cross_entropy(logits, y))

@@ -42,7 +42,8 @@ def test_depthfl_kd_term_vanishes_when_all_classifiers_agree() -> None:
     with_kd, without = depthfl_loss(outputs, Y, 1.0, True), depthfl_loss(outputs, Y, 1.0, False)
     torch.testing.assert_close(with_kd, without, rtol=0, atol=1e-5)
     assert float(depthfl_loss([logits(0), logits(1)], Y, 1.0)) > float(
-        depthfl_loss([logits(0), logits(1)], Y, 1.0, False))
+        depthfl_loss([logits(0), logits(1)], Y, 1.0, False)
+    )
 
 
 def test_depthfl_loss_is_ce_plus_mutual_kl_with_detached_targets() -> None:
@@ -53,13 +54,18 @@ def test_depthfl_loss_is_ce_plus_mutual_kl_with_detached_targets() -> None:
         for j in range(d):
             if i != j:
                 p_j = F.softmax(outputs[j].detach(), 1)
-                expected = expected + w / (d - 1) * (p_j * (p_j.log() - F.log_softmax(outputs[i], 1))).sum(1).mean()
+                expected = (
+                    expected + w / (d - 1) * (p_j * (p_j.log() - F.log_softmax(outputs[i], 1))).sum(1).mean()
+                )
     torch.testing.assert_close(depthfl_loss(outputs, Y, w), expected, rtol=1e-5, atol=1e-5)
     # Detached targets: the KD gradient reaching z_0 comes only from z_0 as a student.
     (g_kd,) = torch.autograd.grad(depthfl_loss(outputs, Y, w), [outputs[0]])
     student_only = F.cross_entropy(outputs[0], Y) + w / (d - 1) * sum(
-        F.kl_div(F.log_softmax(outputs[0], 1), F.softmax(outputs[j].detach(), 1) + 1e-7, reduction="batchmean")
-        for j in (1, 2))
+        F.kl_div(
+            F.log_softmax(outputs[0], 1), F.softmax(outputs[j].detach(), 1) + 1e-7, reduction="batchmean"
+        )
+        for j in (1, 2)
+    )
     (g_ref,) = torch.autograd.grad(student_only, [outputs[0]])
     torch.testing.assert_close(g_kd, g_ref, rtol=1e-5, atol=1e-6)
 
@@ -95,34 +101,52 @@ def test_scalefl_loss_matches_the_reference_code_form() -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     # The teacher is not detached: the KD term sends gradient into the last exit too.
     (g_on,) = torch.autograd.grad(loss, [outputs[2]])
-    (g_off,) = torch.autograd.grad(scalefl_loss(outputs, Y, kd_active=False, gamma=gamma, temperature=t), [outputs[2]])
+    (g_off,) = torch.autograd.grad(
+        scalefl_loss(outputs, Y, kd_active=False, gamma=gamma, temperature=t), [outputs[2]]
+    )
     assert not torch.allclose(g_on, g_off)
 
 
 def exit_model(learnable_step: bool = True) -> torch.nn.Module:
-    model = ModelConfig("resnet20", num_classes=5, image_size=8, exit_points=(2, 5), exit_kind="scalefl",
-                        scaler="always", norm_stats="batch", rounding="floor", learnable_step=learnable_step)
+    model = ModelConfig(
+        "resnet20",
+        num_classes=5,
+        image_size=8,
+        exit_points=(2, 5),
+        exit_kind="scalefl",
+        scaler="always",
+        norm_stats="batch",
+        rounding="floor",
+        learnable_step=learnable_step,
+    )
     torch.manual_seed(0)
     return build(SubmodelSpec(model, width=0.5, depth=6, exits=(2, 5), head=False))
 
 
 def data() -> ClientData:
-    return ClientData(torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 5)
+    return ClientData(
+        torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 5
+    )
 
 
 @pytest.mark.parametrize(("round_index", "active"), [(0, False), (25, False), (26, True), (99, True)])
 def test_scalefl_kd_switches_on_only_after_a_quarter_of_the_rounds(round_index: int, active: bool) -> None:
     hp = {"round": round_index, "total_rounds": 100, "kd_gamma": 0.1, "local_steps": 1, "batch_size": 8}
-    outcome = get_procedure("scalefl-sd")(exit_model(), data(), hp, DeviceStore(), torch.Generator().manual_seed(0))
+    outcome = get_procedure("scalefl-sd")(
+        exit_model(), data(), hp, DeviceStore(), torch.Generator().manual_seed(0)
+    )
     assert outcome.extra["kd_active"] is active
 
 
 def test_scalefl_reports_parameters_that_received_no_gradient() -> None:
     hp = {"round": 0, "total_rounds": 4, "local_steps": 2, "batch_size": 8}
-    outcome = get_procedure("scalefl-sd")(exit_model(learnable_step=False), data(), hp, DeviceStore(),
-                                          torch.Generator().manual_seed(0))
+    outcome = get_procedure("scalefl-sd")(
+        exit_model(learnable_step=False), data(), hp, DeviceStore(), torch.Generator().manual_seed(0)
+    )
     assert outcome.untouched == {f"blocks.{b}.step" for b in range(6)}
-    trained = get_procedure("scalefl-sd")(exit_model(), data(), hp, DeviceStore(), torch.Generator().manual_seed(0))
+    trained = get_procedure("scalefl-sd")(
+        exit_model(), data(), hp, DeviceStore(), torch.Generator().manual_seed(0)
+    )
     assert trained.untouched == set()
 
 

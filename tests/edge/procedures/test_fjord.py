@@ -34,7 +34,9 @@ def test_width_p_runs_exactly_ceil_c_p_channels_in_every_conv(p: float) -> None:
     seen: list[tuple[int, int]] = []
     for module in net.modules():
         if isinstance(module, SlimConv2d):
-            module.register_forward_hook(lambda m, i, o: seen.append((o.shape[1], kept_channels(m.global_out, p))))
+            module.register_forward_hook(
+                lambda m, i, o: seen.append((o.shape[1], kept_channels(m.global_out, p)))
+            )
     set_active_width(net, p)
     net.eval()
     assert net(torch.randn(2, 3, 8, 8)).shape == (2, 4)  # every class row kept
@@ -58,9 +60,13 @@ def test_sampling_stays_within_the_tier_and_each_width_moves_only_its_own_bn_sta
     state = net.state_dict()
     assert not any(k.endswith(("_w3", "_w4")) for k in state)  # no statistics for widths above p_max
     for j, level in enumerate((0.2, 0.4, 0.6)):
-        moved = not torch.equal(state[f"blocks.0.bn1.running_mean_w{j}"], before[f"blocks.0.bn1.running_mean_w{j}"])
+        moved = not torch.equal(
+            state[f"blocks.0.bn1.running_mean_w{j}"], before[f"blocks.0.bn1.running_mean_w{j}"]
+        )
         assert moved == (level in sampled)
-    assert all(conv.active_out is None for conv in net.modules() if isinstance(conv, SlimConv2d))  # width reset
+    assert all(
+        conv.active_out is None for conv in net.modules() if isinstance(conv, SlimConv2d)
+    )  # width reset
 
 
 def test_self_distillation_teacher_learns_only_from_its_own_cross_entropy() -> None:
@@ -70,7 +76,14 @@ def test_self_distillation_teacher_learns_only_from_its_own_cross_entropy() -> N
     net = build(SubmodelSpec(MODEL, width=p_max))
     start = {k: v.clone() for k, v in net.state_dict().items()}
     d = data(8)
-    hp = {"p_max": p_max, "widths": list(LEVELS), "lr": 0.1, "batch_size": 8, "local_steps": 1, "fjord_kd": True}
+    hp = {
+        "p_max": p_max,
+        "widths": list(LEVELS),
+        "lr": 0.1,
+        "batch_size": 8,
+        "local_steps": 1,
+        "fjord_kd": True,
+    }
     generator = torch.Generator().manual_seed(5)
     outcome = get_procedure("fjord")(net, d, hp, DeviceStore(), generator)
     (p,) = outcome.extra["sampled_widths"]

@@ -16,15 +16,22 @@ MODEL = ModelConfig("tinycnn", num_classes=4, image_size=8)
 def data(n: int = 24, seed: int = 0) -> ClientData:
     generator = torch.Generator().manual_seed(seed)
     y = torch.arange(n) % 4
-    x = torch.randn(n, 3, 8, 8, generator=generator) + y.view(-1, 1, 1, 1).float()  # learnable: mean encodes class
+    x = (
+        torch.randn(n, 3, 8, 8, generator=generator) + y.view(-1, 1, 1, 1).float()
+    )  # learnable: mean encodes class
     return ClientData(x, y)
 
 
 def train(model_config: ModelConfig = MODEL, seed: int = 0, **hp) -> tuple[torch.nn.Module, list[float]]:
     torch.manual_seed(0)
     net = build(SubmodelSpec(model_config, width=0.5))
-    outcome = get_procedure("sgd")(net, data(), {"lr": 0.05, "batch_size": 8, "local_epochs": 1, **hp},
-                                   DeviceStore(), torch.Generator().manual_seed(seed))
+    outcome = get_procedure("sgd")(
+        net,
+        data(),
+        {"lr": 0.05, "batch_size": 8, "local_epochs": 1, **hp},
+        DeviceStore(),
+        torch.Generator().manual_seed(seed),
+    )
     return outcome.model, outcome.losses
 
 

@@ -20,7 +20,11 @@ from nestling.data.webp_npz import cached_webp_decode
 from nestling.errors import DataError
 
 # The shared data folder beside the repository (or $NESTLING_DATA_ROOT); tests that read it skip without it.
-SHARED_CIFAR10_TEST = Path(os.environ.get("NESTLING_DATA_ROOT", Path(__file__).resolve().parents[4] / "shared" / "data")) / "cifar10" / "test.npz"
+SHARED_CIFAR10_TEST = (
+    Path(os.environ.get("NESTLING_DATA_ROOT", Path(__file__).resolve().parents[4] / "shared" / "data"))
+    / "cifar10"
+    / "test.npz"
+)
 
 
 def to_rows(x: np.ndarray) -> np.ndarray:

@@ -15,21 +15,32 @@ RESNET18 = (64, 128, 256, 512)
 CIFAR = (16, 32, 64)
 
 
-@pytest.mark.parametrize(("gamma", "expected"), [
-    (0.2, (29, 58, 115, 229)),
-    (0.4, (41, 81, 162, 324)),
-    (0.6, (50, 100, 199, 397)),
-    (0.8, (58, 115, 229, 458)),
-    (0.34, (38, 75, 150, 299)),
-])
-def test_resnet18_stage_widths_follow_the_ceil_rule_at_sqrt_gamma(gamma: float, expected: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    ("gamma", "expected"),
+    [
+        (0.2, (29, 58, 115, 229)),
+        (0.4, (41, 81, 162, 324)),
+        (0.6, (50, 100, 199, 397)),
+        (0.8, (58, 115, 229, 458)),
+        (0.34, (38, 75, 150, 299)),
+    ],
+)
+def test_resnet18_stage_widths_follow_the_ceil_rule_at_sqrt_gamma(
+    gamma: float, expected: tuple[int, ...]
+) -> None:
     rho = math.sqrt(gamma)
     assert tuple(kept_channels(c, rho) for c in RESNET18) == expected
 
 
-@pytest.mark.parametrize(("gamma", "expected"), [
-    (0.2, (8, 15, 29)), (0.4, (11, 21, 41)), (0.6, (13, 25, 50)), (0.8, (15, 29, 58)),
-])
+@pytest.mark.parametrize(
+    ("gamma", "expected"),
+    [
+        (0.2, (8, 15, 29)),
+        (0.4, (11, 21, 41)),
+        (0.6, (13, 25, 50)),
+        (0.8, (15, 29, 58)),
+    ],
+)
 def test_cifar_resnet_stage_widths_follow_the_ceil_rule(gamma: float, expected: tuple[int, ...]) -> None:
     assert tuple(kept_channels(c, math.sqrt(gamma)) for c in CIFAR) == expected
 
@@ -53,7 +64,9 @@ def test_float_noise_does_not_add_a_channel() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 1024), st.floats(0.01, 1.0), st.floats(0.01, 1.0), st.sampled_from(["ceil", "floor"]))
-def test_kept_channels_is_monotone_in_the_ratio_so_submodels_nest(c: int, r1: float, r2: float, rounding: str) -> None:
+def test_kept_channels_is_monotone_in_the_ratio_so_submodels_nest(
+    c: int, r1: float, r2: float, rounding: str
+) -> None:
     low, high = sorted((r1, r2))
     assert 1 <= kept_channels(c, low, rounding) <= kept_channels(c, high, rounding) <= c
 
@@ -82,8 +95,13 @@ def test_slim_linear_never_slices_class_logits() -> None:
 
 
 def test_per_width_batchnorm_holds_one_statistics_set_per_level_up_to_its_width() -> None:
-    bn = SlimBatchNorm2d(kept_channels(10, 0.6), global_features=10, stats="per_width",
-                         width_levels=(0.2, 0.6, 1.0), max_ratio=0.6)
+    bn = SlimBatchNorm2d(
+        kept_channels(10, 0.6),
+        global_features=10,
+        stats="per_width",
+        width_levels=(0.2, 0.6, 1.0),
+        max_ratio=0.6,
+    )
     names = {n for n, _ in bn.named_buffers()}
     assert {"running_mean_w0", "running_mean_w1"} <= names and "running_mean_w2" not in names
     assert bn.running_mean_w0.shape == (2,) and bn.running_mean_w1.shape == (6,)

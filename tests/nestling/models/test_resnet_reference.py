@@ -12,12 +12,27 @@ from nestling.spec import SubmodelSpec
 
 
 def _bn(x: torch.Tensor, w: dict[str, torch.Tensor], name: str, training: bool) -> torch.Tensor:
-    return F.batch_norm(x, w[f"{name}.running_mean"].clone(), w[f"{name}.running_var"].clone(), w[f"{name}.weight"],
-                        w[f"{name}.bias"], training, 0.0, 1e-5)
+    return F.batch_norm(
+        x,
+        w[f"{name}.running_mean"].clone(),
+        w[f"{name}.running_var"].clone(),
+        w[f"{name}.weight"],
+        w[f"{name}.bias"],
+        training,
+        0.0,
+        1e-5,
+    )
 
 
-def vanilla_resnet(x: torch.Tensor, w: dict[str, torch.Tensor], *, blocks: int, strides: list[int], max_pool: bool,
-                   training: bool) -> torch.Tensor:
+def vanilla_resnet(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    *,
+    blocks: int,
+    strides: list[int],
+    max_pool: bool,
+    training: bool,
+) -> torch.Tensor:
     """He et al. BasicBlock ResNet: y = ReLU(BN2(conv2(ReLU(BN1(conv1 x)))) + shortcut(x)), option-B projection."""
     x = F.relu(_bn(F.conv2d(x, w["stem.conv.weight"], padding=1), w, "stem.bn", training))
     if max_pool:
@@ -28,7 +43,9 @@ def vanilla_resnet(x: torch.Tensor, w: dict[str, torch.Tensor], *, blocks: int, 
         out = F.relu(_bn(out, w, f"{p}.bn1", training))
         out = _bn(F.conv2d(out, w[f"{p}.conv2.weight"], padding=1), w, f"{p}.bn2", training)
         if f"{p}.shortcut.0.weight" in w:
-            skip = _bn(F.conv2d(x, w[f"{p}.shortcut.0.weight"], stride=strides[b]), w, f"{p}.shortcut.2", training)
+            skip = _bn(
+                F.conv2d(x, w[f"{p}.shortcut.0.weight"], stride=strides[b]), w, f"{p}.shortcut.2", training
+            )
         else:
             skip = x
         x = F.relu(out + skip)
@@ -51,13 +68,17 @@ def randomised(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state.items()}
 
 
-@pytest.mark.parametrize(("arch", "strides", "max_pool"), [
-    ("resnet18", [1, 1, 2, 1, 2, 1, 2, 1], True),
-    ("resnet20", [1, 1, 1, 2, 1, 1, 2, 1, 1], False),
-])
+@pytest.mark.parametrize(
+    ("arch", "strides", "max_pool"),
+    [
+        ("resnet18", [1, 1, 2, 1, 2, 1, 2, 1], True),
+        ("resnet20", [1, 1, 1, 2, 1, 1, 2, 1, 1], False),
+    ],
+)
 @pytest.mark.parametrize("training", [False, True])
-def test_full_width_unit_step_resnet_equals_the_vanilla_resnet(arch: str, strides: list[int], max_pool: bool,
-                                                               training: bool) -> None:
+def test_full_width_unit_step_resnet_equals_the_vanilla_resnet(
+    arch: str, strides: list[int], max_pool: bool, training: bool
+) -> None:
     torch.manual_seed(0)
     net = build(SubmodelSpec.full(ModelConfig(arch, num_classes=10, image_size=16)))
     weights = randomised(net)
@@ -66,5 +87,7 @@ def test_full_width_unit_step_resnet_equals_the_vanilla_resnet(arch: str, stride
     x = torch.randn(3, 3, 16, 16)
     with torch.no_grad():
         ours = net(x)
-        theirs = vanilla_resnet(x, weights, blocks=len(strides), strides=strides, max_pool=max_pool, training=training)
+        theirs = vanilla_resnet(
+            x, weights, blocks=len(strides), strides=strides, max_pool=max_pool, training=training
+        )
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -22,19 +22,35 @@ def stage_entry_widths(spec: SubmodelSpec) -> tuple[int, ...]:
     return tuple(shapes[f"blocks.{i}.conv1.weight"][0] for i in firsts)
 
 
-@pytest.mark.parametrize(("gamma", "expected"), [
-    (0.2, (29, 58, 115, 229)), (0.4, (41, 81, 162, 324)), (0.6, (50, 100, 199, 397)),
-    (0.8, (58, 115, 229, 458)), (0.34, (38, 75, 150, 299)), (1.0, (64, 128, 256, 512)),
-])
+@pytest.mark.parametrize(
+    ("gamma", "expected"),
+    [
+        (0.2, (29, 58, 115, 229)),
+        (0.4, (41, 81, 162, 324)),
+        (0.6, (50, 100, 199, 397)),
+        (0.8, (58, 115, 229, 458)),
+        (0.34, (38, 75, 150, 299)),
+        (1.0, (64, 128, 256, 512)),
+    ],
+)
 def test_built_resnet18_has_the_ceil_rule_stage_widths(gamma: float, expected: tuple[int, ...]) -> None:
     assert stage_entry_widths(SubmodelSpec(ModelConfig("resnet18"), width=math.sqrt(gamma))) == expected
 
 
 @pytest.mark.parametrize("arch", ["resnet20", "resnet56", "resnet110"])
-@pytest.mark.parametrize(("gamma", "expected"), [
-    (0.2, (8, 15, 29)), (0.4, (11, 21, 41)), (0.6, (13, 25, 50)), (0.8, (15, 29, 58)), (1.0, (16, 32, 64)),
-])
-def test_built_cifar_resnets_have_the_ceil_rule_stage_widths(arch: str, gamma: float, expected: tuple) -> None:
+@pytest.mark.parametrize(
+    ("gamma", "expected"),
+    [
+        (0.2, (8, 15, 29)),
+        (0.4, (11, 21, 41)),
+        (0.6, (13, 25, 50)),
+        (0.8, (15, 29, 58)),
+        (1.0, (16, 32, 64)),
+    ],
+)
+def test_built_cifar_resnets_have_the_ceil_rule_stage_widths(
+    arch: str, gamma: float, expected: tuple
+) -> None:
     assert stage_entry_widths(SubmodelSpec(ModelConfig(arch), width=math.sqrt(gamma))) == expected
 
 
@@ -76,8 +92,12 @@ def test_projection_shortcut_takes_the_block_input_prefix_and_output_prefix() ->
 @pytest.mark.parametrize("arch", ["tinycnn", "resnet20", "preresnet20", "vit"])
 def test_every_small_model_forwards_a_batch_to_class_logits(arch: str) -> None:
     torch.manual_seed(0)
-    model = ModelConfig(arch, num_classes=5, image_size=16, extra={"dim": 32, "depth": 2, "heads": 2, "mlp_dim": 64}
-                        if arch == "vit" else {})
+    model = ModelConfig(
+        arch,
+        num_classes=5,
+        image_size=16,
+        extra={"dim": 32, "depth": 2, "heads": 2, "mlp_dim": 64} if arch == "vit" else {},
+    )
     for width in (0.5, 1.0):
         net = build(SubmodelSpec(model, width=width))
         net.eval()
@@ -93,7 +113,9 @@ def test_resnet18_uses_a_max_pool_after_the_stem() -> None:
 
 def test_full_resnet18_has_the_standard_parameter_count_plus_one_step_per_block() -> None:
     # 11,173,962 = the usual 10-class ResNet-18 (option-B shortcuts); + 8 step sizes.
-    assert count_parameters(build(SubmodelSpec.full(ModelConfig("resnet18")), device="meta")) == 11_173_962 + 8
+    assert (
+        count_parameters(build(SubmodelSpec.full(ModelConfig("resnet18")), device="meta")) == 11_173_962 + 8
+    )
     resnet20 = build(SubmodelSpec.full(ModelConfig("resnet20")), device="meta")
     assert sum(1 for n, _ in resnet20.named_parameters() if n.endswith(".step")) == 9
 
@@ -116,14 +138,25 @@ def test_impossible_specs_fail_with_errors_naming_the_problem() -> None:
     with pytest.raises(SpecError, match="do not exist"):
         build(SubmodelSpec(model, blocks=(0, 42)), device="meta")
     with pytest.raises(SpecError, match="exceeds"):
-        build(SubmodelSpec(ModelConfig("resnet20", exit_points=(2,)), depth=12, exits=(2,), head=False), device="meta")
+        build(
+            SubmodelSpec(ModelConfig("resnet20", exit_points=(2,)), depth=12, exits=(2,), head=False),
+            device="meta",
+        )
     with pytest.raises(ConfigError, match="unknown model 'resnet9000'.*known"):
         build(SubmodelSpec(ModelConfig("resnet9000")))
 
 
 def test_known_models_lists_the_zoo() -> None:
-    assert {"tinycnn", "resnet20", "resnet56", "resnet110", "preresnet20", "resnet18", "resnet34", "vit"} <= set(
-        known_models())
+    assert {
+        "tinycnn",
+        "resnet20",
+        "resnet56",
+        "resnet110",
+        "preresnet20",
+        "resnet18",
+        "resnet34",
+        "vit",
+    } <= set(known_models())
 
 
 def test_meta_builds_allocate_nothing() -> None:

@@ -31,8 +31,15 @@ def test_client_term_starts_at_zero_and_updates_h() -> None:
 
 
 def test_server_applies_the_feddyn_correction() -> None:
-    ctx = StrategyContext(arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=4,
-                          total_rounds=10, options={"feddyn_alpha": 0.5})
+    ctx = StrategyContext(
+        arch="tinycnn",
+        num_classes=10,
+        in_channels=1,
+        image_size=16,
+        num_clients=4,
+        total_rounds=10,
+        options={"feddyn_alpha": 0.5},
+    )
     strategy = create_strategy("depthfl", ctx)
     old = {k: v.clone() for k, v in strategy.global_state.items()}
     devices = [DeviceInfo(f"dev-{i:05d}", i, 10) for i in (2, 3)]  # both in the deepest group (full model)

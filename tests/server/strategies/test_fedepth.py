@@ -21,8 +21,16 @@ torch.set_num_threads(1)
 
 
 def cifar_ctx(**options) -> StrategyContext:
-    return StrategyContext(arch="preresnet20", num_classes=10, in_channels=3, image_size=32, num_clients=8,
-                           total_rounds=10, local={"batch_size": 32, "momentum": 0.9}, options=options)
+    return StrategyContext(
+        arch="preresnet20",
+        num_classes=10,
+        in_channels=3,
+        image_size=32,
+        num_clients=8,
+        total_rounds=10,
+        local={"batch_size": 32, "momentum": 0.9},
+        options=options,
+    )
 
 
 def devices(n: int = 8) -> list[DeviceInfo]:
@@ -39,10 +47,14 @@ def test_fair_budgets_give_quarter_tiers_depth_wise_plans_and_one_stage_at_full_
     assert strategy.ratios == BUDGET_PRESETS["fair"] and strategy.model.norm_stats == "batch"
     by_device = plans(strategy)
     stages = [plan.num_stages for plan, _ in by_device]
-    assert stages[0] == stages[1] > stages[2] == stages[3] > stages[4] == stages[5] > stages[6] == stages[7] == 1
+    assert (
+        stages[0] == stages[1] > stages[2] == stages[3] > stages[4] == stages[5] > stages[6] == stages[7] == 1
+    )
     assert all(not plan.bypass and models == 1 for plan, models in by_device)
     task = strategy.assign(0, devices(1))["dev-00000"]
-    assert task.procedure == "fedepth" and task.spec_id == strategy.full_spec.id  # everyone trains the full model
+    assert (
+        task.procedure == "fedepth" and task.spec_id == strategy.full_spec.id
+    )  # everyone trains the full model
     assert task.hparams["variant"] == "skip" and task.hparams["tier"] == 0
 
 
@@ -78,9 +90,18 @@ def test_a_registered_budget_overrides_the_tier() -> None:
 
 def test_measured_cost_tables_plan_like_estimated_ones() -> None:
     options = {"budgets": [0.3, 0.6, 1.0]}
+
     def ctx(**extra: object) -> StrategyContext:
-        return StrategyContext(arch="preresnet20", num_classes=4, in_channels=3, image_size=16, num_clients=3,
-                               total_rounds=1, local={"batch_size": 8, "momentum": 0.9}, options={**options, **extra})
+        return StrategyContext(
+            arch="preresnet20",
+            num_classes=4,
+            in_channels=3,
+            image_size=16,
+            num_clients=3,
+            total_rounds=1,
+            local={"batch_size": 8, "momentum": 0.9},
+            options={**options, **extra},
+        )
 
     estimated, measured = create_strategy("fedepth", ctx()), create_strategy("fedepth", ctx(memory="measure"))
     assert measured.ratio_bytes == estimated.ratio_bytes
@@ -111,7 +132,10 @@ def test_aux_variant_carries_the_heads_of_each_clients_stage_ends() -> None:
 
 def test_aggregation_is_fedavg_over_every_tensor_optionally_tier_weighted(make_ctx, fake_result) -> None:
     for resource_weight in (False, True):
-        options = {"budgets": [1.0, 1.0], "resource_weight": resource_weight}  # tiers 0 and 1, both full width
+        options = {
+            "budgets": [1.0, 1.0],
+            "resource_weight": resource_weight,
+        }  # tiers 0 and 1, both full width
         strategy = create_strategy("fedepth", make_ctx(options=options))
         tasks = list(strategy.assign(0, [devices()[0], devices()[7]]).values())
         results = [fake_result(t, seed=i, num_samples=n) for i, (t, n) in enumerate(zip(tasks, (10, 30)))]
@@ -119,7 +143,9 @@ def test_aggregation_is_fedavg_over_every_tensor_optionally_tier_weighted(make_c
         strategy.aggregate(0, list(zip(tasks, results)))
         for key, value in strategy.global_state.items():
             if value.is_floating_point():
-                expected = (weights[0] * results[0].weights[key] + weights[1] * results[1].weights[key]) / sum(weights)
+                expected = (
+                    weights[0] * results[0].weights[key] + weights[1] * results[1].weights[key]
+                ) / sum(weights)
                 assert torch.allclose(value, expected, atol=1e-6), key
 
 
@@ -129,8 +155,10 @@ def test_all_clients_at_full_budget_make_fedepth_exactly_fedavg(make_ctx) -> Non
     fedepth = create_strategy("fedepth", make_ctx(options={"budgets": [1.0], "norm_stats": "running"}, **ctx))
     fedavg = create_strategy("fedavg", make_ctx(**ctx))
     generator = torch.Generator().manual_seed(0)
-    data = {d.device_id: ClientData(torch.randn(16, 3, 8, 8, generator=generator), torch.arange(16) % 4)
-            for d in devices(3)}
+    data = {
+        d.device_id: ClientData(torch.randn(16, 3, 8, 8, generator=generator), torch.arange(16) % 4)
+        for d in devices(3)
+    }
     for strategy in (fedepth, fedavg):
         tasks = strategy.assign(0, devices(3))
         results = [run_task(t, data[t.device_id], DeviceStore()) for t in tasks.values()]
@@ -140,8 +168,16 @@ def test_all_clients_at_full_budget_make_fedepth_exactly_fedavg(make_ctx) -> Non
 
 
 def test_bypassed_blocks_can_be_left_out_of_the_mean() -> None:
-    ctx = StrategyContext(arch="preresnet20", num_classes=4, in_channels=3, image_size=32, num_clients=4,
-                          total_rounds=1, local={"batch_size": 16, "local_steps": 1}, options={"aggregate_bypassed": False})
+    ctx = StrategyContext(
+        arch="preresnet20",
+        num_classes=4,
+        in_channels=3,
+        image_size=32,
+        num_clients=4,
+        total_rounds=1,
+        local={"batch_size": 16, "local_steps": 1},
+        options={"aggregate_bypassed": False},
+    )
     strategy = create_strategy("fedepth", ctx)
     costs = strategy.costs
     # Room for every block from B4 on (with the head), not for the 16-channel, full-resolution B1–B3.
@@ -163,11 +199,22 @@ def test_bypassed_blocks_can_be_left_out_of_the_mean() -> None:
 
 @pytest.mark.parametrize("method, budgets", [("fedepth", "fair"), ("m-fedepth", "surplus")])
 def test_simulate_runs_through_the_coordinator(method: str, budgets: str, tmp_path: Path) -> None:
-    cfg = config_from_dict({
-        "run": {"rounds": 2, "workers": 1, "eval_every": 1}, "data": {"dataset": "digits", "clients": 4},
-        "model": {"arch": "preresnet20"}, "method": {"name": method, "budgets": budgets},
-        "train": {"fraction": 1.0, "local_steps": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9,
-                  "schedule": "cosine"}})
+    cfg = config_from_dict(
+        {
+            "run": {"rounds": 2, "workers": 1, "eval_every": 1},
+            "data": {"dataset": "digits", "clients": 4},
+            "model": {"arch": "preresnet20"},
+            "method": {"name": method, "budgets": budgets},
+            "train": {
+                "fraction": 1.0,
+                "local_steps": 2,
+                "batch_size": 16,
+                "lr": 0.05,
+                "momentum": 0.9,
+                "schedule": "cosine",
+            },
+        }
+    )
     from nestling.simulator.run import run_simulation
 
     summary = run_simulation(cfg, tmp_path)

@@ -62,8 +62,9 @@ def test_elements_are_count_averaged_over_the_rates_that_hold_them(make_ctx, fak
     strategy.aggregate(0, list(zip(tasks, results)))
     full, half = results
     w = strategy.global_state["blocks.0.conv1.weight"]
-    torch.testing.assert_close(w[:4, :4], (full.weights["blocks.0.conv1.weight"][:4, :4]
-                                           + half.weights["blocks.0.conv1.weight"]) / 2)
+    torch.testing.assert_close(
+        w[:4, :4], (full.weights["blocks.0.conv1.weight"][:4, :4] + half.weights["blocks.0.conv1.weight"]) / 2
+    )
     torch.testing.assert_close(w[4:], full.weights["blocks.0.conv1.weight"][4:])
 
 
@@ -83,8 +84,10 @@ def test_masked_class_rows_are_untouched_by_clients_lacking_the_class(make_ctx, 
         torch.testing.assert_close(new[2], b.weights[key][2])
         assert torch.equal(new[3], old[3])  # nobody holds class 3
     # Rows of other tensors are not masked.
-    torch.testing.assert_close(strategy.global_state["blocks.0.conv1.weight"],
-                               (a.weights["blocks.0.conv1.weight"] + b.weights["blocks.0.conv1.weight"]) / 2)
+    torch.testing.assert_close(
+        strategy.global_state["blocks.0.conv1.weight"],
+        (a.weights["blocks.0.conv1.weight"] + b.weights["blocks.0.conv1.weight"]) / 2,
+    )
 
 
 def test_local_training_uses_batch_statistics_and_a_train_only_scaler(make_ctx) -> None:
@@ -104,7 +107,9 @@ def evaluator() -> Evaluator:
     return Evaluator(x, torch.arange(64) % 4, batch_size=64, calibration=x)
 
 
-def test_static_bn_pass_recomputes_statistics_but_never_changes_weights(make_ctx, evaluator: Evaluator) -> None:
+def test_static_bn_pass_recomputes_statistics_but_never_changes_weights(
+    make_ctx, evaluator: Evaluator
+) -> None:
     strategy = heterofl(make_ctx)
     for target in strategy.eval_targets():
         assert target.static_bn
@@ -114,10 +119,14 @@ def test_static_bn_pass_recomputes_statistics_but_never_changes_weights(make_ctx
                 assert torch.equal(value, target.state[key]), key
             else:
                 assert "running_" in key or "num_batches" in key
-        assert any(float(v.abs().sum()) > 0 for k, v in model.state_dict().items() if k.endswith("running_mean"))
+        assert any(
+            float(v.abs().sum()) > 0 for k, v in model.state_dict().items() if k.endswith("running_mean")
+        )
 
 
-def test_static_bn_statistics_are_those_of_the_activations_seen_at_evaluation(make_ctx, evaluator: Evaluator) -> None:
+def test_static_bn_statistics_are_those_of_the_activations_seen_at_evaluation(
+    make_ctx, evaluator: Evaluator
+) -> None:
     """After sBN over X (one batch), eval-mode outputs on X equal batch-statistics outputs on X (up to the
     unbiased-variance factor): the statistics must be gathered with the Scaler as it acts at evaluation."""
     strategy = heterofl(make_ctx)

@@ -36,19 +36,35 @@ def make_nefl(make_ctx, mode: str = "wd", family=None, monkeypatch=None, **optio
 
 def task(strategy: NeFL, k: int, client: int, round_index: int = 0) -> Task:
     spec = strategy.specs[k]
-    return Task(round=round_index, device_id=f"dev-{client:05d}", spec=spec.to_dict(),
-                weights=strategy.task_weights(spec), procedure=strategy.procedure, task_id=f"r{round_index}-c{client}")
+    return Task(
+        round=round_index,
+        device_id=f"dev-{client:05d}",
+        spec=spec.to_dict(),
+        weights=strategy.task_weights(spec),
+        procedure=strategy.procedure,
+        task_id=f"r{round_index}-c{client}",
+    )
 
 
 def constant_result(t: Task, value: float) -> Result:
-    weights = {k: torch.full_like(v, value) if v.is_floating_point() else v.clone() for k, v in t.weights.items()}
-    return Result(round=t.round, device_id=t.device_id, task_id=t.task_id, spec_id=t.spec_id, weights=weights,
-                  num_samples=1)
+    weights = {
+        k: torch.full_like(v, value) if v.is_floating_point() else v.clone() for k, v in t.weights.items()
+    }
+    return Result(
+        round=t.round,
+        device_id=t.device_id,
+        task_id=t.task_id,
+        spec_id=t.spec_id,
+        weights=weights,
+        num_samples=1,
+    )
 
 
 def snapshot(strategy: NeFL) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    return ({k: v.clone() for k, v in strategy.global_state.items()},
-            [{k: v.clone() for k, v in store.items()} for store in strategy.stores])
+    return (
+        {k: v.clone() for k, v in strategy.global_state.items()},
+        [{k: v.clone() for k, v in store.items()} for store in strategy.stores],
+    )
 
 
 def block_of(key: str) -> int | None:
@@ -75,8 +91,13 @@ def test_the_paper_example_gives_denominators_7_5_2(make_ctx, monkeypatch) -> No
     # Block 4 belongs to submodels 1, 3 and 5 only; 2, 3 and 2 clients trained them.
     rho = [0.3, 0.45, 0.6, 0.8, 1.0]
     without_4 = tuple(b for b in range(NUM_BLOCKS) if b != 4)
-    family = [(rho[0], tuple(range(NUM_BLOCKS))), (rho[1], without_4), (rho[2], tuple(range(NUM_BLOCKS))),
-              (rho[3], without_4), (1.0, None)]
+    family = [
+        (rho[0], tuple(range(NUM_BLOCKS))),
+        (rho[1], without_4),
+        (rho[2], tuple(range(NUM_BLOCKS))),
+        (rho[3], without_4),
+        (1.0, None),
+    ]
     strategy = make_nefl(make_ctx, family=family, monkeypatch=monkeypatch)
     clients = [0, 0, 2, 2, 2, 4, 4]  # submodel index (0-based) of clients 1..7
     accepted = []
@@ -117,8 +138,10 @@ def test_nefedavg_equals_the_elementwise_masked_mean_with_depth_aware_membership
     generator = torch.Generator().manual_seed(seed)
     for c, k in enumerate(clients):
         t = task(strategy, k, c)
-        weights = {key: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
-                   for key, v in t.weights.items()}
+        weights = {
+            key: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
+            for key, v in t.weights.items()
+        }
         accepted.append((t, Result(0, t.device_id, t.task_id, t.spec_id, weights, 1)))
     strategy.aggregate(0, accepted)
     for key in strategy.consistent:
@@ -136,7 +159,9 @@ def test_nefedavg_equals_the_elementwise_masked_mean_with_depth_aware_membership
         torch.testing.assert_close(strategy.global_state[key], expected, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_a_skipped_stage_entry_block_uses_its_projection_but_is_not_aggregated_from_it(make_ctx, monkeypatch) -> None:
+def test_a_skipped_stage_entry_block_uses_its_projection_but_is_not_aggregated_from_it(
+    make_ctx, monkeypatch
+) -> None:
     """AMBIG-2 default (the reference): only clients that execute block 3 count for its projection conv."""
     family = [(1.0, tuple(b for b in range(NUM_BLOCKS) if b != 3)), (1.0, None)]
     strategy = make_nefl(make_ctx, family=family, monkeypatch=monkeypatch)
@@ -186,7 +211,9 @@ def test_submodel_weights_are_nested_slices_that_scatter_back_unchanged(make_ctx
 
 
 @pytest.mark.parametrize("mode", ["w", "d", "wd"])
-def test_every_submodel_keeps_rgb_inputs_all_class_rows_and_the_shared_classifier_bias(make_ctx, mode: str) -> None:
+def test_every_submodel_keeps_rgb_inputs_all_class_rows_and_the_shared_classifier_bias(
+    make_ctx, mode: str
+) -> None:
     strategy = make_nefl(make_ctx, mode=mode)
     biases = []
     for spec in strategy.specs:
@@ -205,7 +232,12 @@ def test_vit_layer_norms_are_consistent_and_step_sizes_per_submodel(make_ctx) ->
     strategy = create_strategy("nefl-w", ctx)
     assert {"blocks.0.ln1.weight", "head.norm.weight", "blocks.1.q.weight"} <= strategy.consistent
     for store in strategy.stores:
-        assert set(store) == {"blocks.0.step_sa", "blocks.0.step_ffn", "blocks.1.step_sa", "blocks.1.step_ffn"}
+        assert set(store) == {
+            "blocks.0.step_sa",
+            "blocks.0.step_ffn",
+            "blocks.1.step_sa",
+            "blocks.1.step_ffn",
+        }
 
 
 # -- §2.b.8 ------------------------------------------------------------------------------------------
@@ -223,15 +255,19 @@ def test_bn_store_k_is_the_mean_of_submodel_k_uploads_and_unsampled_stores_are_u
     assert all((v == 7.0).all() for v in strategy.stores[3].values() if v.is_floating_point())
     for k in (0, 2, 4):
         assert all(torch.equal(strategy.stores[k][key], stores_before[k][key]) for key in stores_before[k])
-    assert set(strategy.stores[1]) == {k for k, v in accepted[0][0].weights.items() if k not in strategy.consistent}
+    assert set(strategy.stores[1]) == {
+        k for k, v in accepted[0][0].weights.items() if k not in strategy.consistent
+    }
 
 
 # -- §2.b.9 ------------------------------------------------------------------------------------------
 def test_resnet18_nefl_d_submodels_hold_the_published_parameter_fractions() -> None:
     model = ModelConfig("resnet18")
     full = count_parameters(build(SubmodelSpec.full(model), device="meta"))
-    fractions = [count_parameters(build(SubmodelSpec(model, width=rho, blocks=kept), device="meta")) / full
-                 for rho, kept in nefl_family("resnet18", "d")]
+    fractions = [
+        count_parameters(build(SubmodelSpec(model, width=rho, blocks=kept), device="meta")) / full
+        for rho, kept in nefl_family("resnet18", "d")
+    ]
     assert fractions == pytest.approx([0.20, 0.39, 0.57, 0.81, 1.0], abs=0.02)
 
 
@@ -241,8 +277,10 @@ def test_resnet18_nefl_wd_widths_are_sqrt_of_the_parameter_fractions() -> None:
     assert family[0][1] == (0, 1, 2, 3, 4, 5, 6) and all(kept is None for _, kept in family[1:])
     model = ModelConfig("resnet18")
     full = count_parameters(build(SubmodelSpec.full(model), device="meta"))
-    fractions = [count_parameters(build(SubmodelSpec(model, width=rho, blocks=kept), device="meta")) / full
-                 for rho, kept in family]
+    fractions = [
+        count_parameters(build(SubmodelSpec(model, width=rho, blocks=kept), device="meta")) / full
+        for rho, kept in family
+    ]
     assert fractions == pytest.approx([0.20, 0.40, 0.60, 0.80, 1.0], abs=0.02)
 
 
@@ -311,8 +349,15 @@ def test_step_init_do_seeds_each_submodel_store() -> None:
     from nestling.server.strategies import StrategyContext, create_strategy
     from nestling.server.strategies.nefl import do_initial_steps
 
-    ctx = StrategyContext(arch="resnet56", num_classes=10, in_channels=3, image_size=32, num_clients=5,
-                          total_rounds=2, options={"step_init": "do"})
+    ctx = StrategyContext(
+        arch="resnet56",
+        num_classes=10,
+        in_channels=3,
+        image_size=32,
+        num_clients=5,
+        total_rounds=2,
+        options={"step_init": "do"},
+    )
     strategy = create_strategy("nefl-d", ctx)
     for spec, store in zip(strategy.specs, strategy.stores):
         for block, value in do_initial_steps(spec).items():

@@ -17,13 +17,26 @@ from nestling.server.strategies.scalefl_split import search_levels
 from nestling.spec import SubmodelSpec
 
 NUM_BLOCKS = 9
-BASE = ModelConfig("resnet20", num_classes=4, image_size=8, exit_kind="scalefl", scaler="always", norm_stats="batch",
-                   rounding="floor")
+BASE = ModelConfig(
+    "resnet20",
+    num_classes=4,
+    image_size=8,
+    exit_kind="scalefl",
+    scaler="always",
+    norm_stats="batch",
+    rounding="floor",
+)
 
 
 def context(**overrides) -> StrategyContext:
-    values = {"arch": "resnet20", "num_classes": 4, "in_channels": 3, "image_size": 8, "num_clients": 8,
-              "total_rounds": 8}
+    values = {
+        "arch": "resnet20",
+        "num_classes": 4,
+        "in_channels": 3,
+        "image_size": 8,
+        "num_clients": 8,
+        "total_rounds": 8,
+    }
     values.update(overrides)
     return StrategyContext(**values)
 
@@ -120,7 +133,9 @@ def test_grid_search_returns_the_most_balanced_feasible_split() -> None:
                 if abs(cost / (fraction * full) - 1) <= tolerance:
                     best = min(best if best is not None else 9.0, abs(width - ratio))
         assert best is not None
-        balance = min(abs(level.width - r) for r in grid if int(np.floor(r * NUM_BLOCKS + 1e-9)) == level.depth)
+        balance = min(
+            abs(level.width - r) for r in grid if int(np.floor(r * NUM_BLOCKS + 1e-9)) == level.depth
+        )
         assert balance == pytest.approx(best), (fraction, level)
         assert abs(level.cost_ratio / fraction - 1) <= tolerance
         chosen.append(level.depth - 1)
@@ -128,8 +143,15 @@ def test_grid_search_returns_the_most_balanced_feasible_split() -> None:
 
 def test_cost_grows_with_width_and_with_depth() -> None:
     model = BASE.with_(exit_points=tuple(range(NUM_BLOCKS)))
-    costs = np.array([[params(SubmodelSpec(model, width=w, depth=d, exits=(d - 1,), head=False))
-                       for d in range(1, NUM_BLOCKS + 1)] for w in (0.25, 0.5, 0.75, 1.0)])
+    costs = np.array(
+        [
+            [
+                params(SubmodelSpec(model, width=w, depth=d, exits=(d - 1,), head=False))
+                for d in range(1, NUM_BLOCKS + 1)
+            ]
+            for w in (0.25, 0.5, 0.75, 1.0)
+        ]
+    )
     assert (np.diff(costs, axis=0) > 0).all()
     # Deeper level: more blocks, and an exit head at a wider stage; never cheaper.
     assert (np.diff(costs, axis=1) >= 0).all()
@@ -150,7 +172,11 @@ def test_levels_take_equal_shares_of_a_seeded_client_permutation(scalefl: ScaleF
     again = fresh(scalefl)
     assert [again.spec_for(3, d) for d in devices()] == [scalefl.spec_for(0, d) for d in devices()]
     task = scalefl.assign(0, devices(1))["dev-00000"]
-    assert task.procedure == "scalefl-sd" and task.hparams["kd_temperature"] == 3.0 and task.hparams["kd_gamma"] == 0.0
+    assert (
+        task.procedure == "scalefl-sd"
+        and task.hparams["kd_temperature"] == 3.0
+        and task.hparams["kd_gamma"] == 0.0
+    )
 
 
 # -- §6.b.2, §6.b.3, gradient-aware counts ------------------------------------------------------------------
@@ -174,7 +200,9 @@ def test_layers_deeper_than_a_levels_exit_are_untouched_by_its_clients(scalefl: 
     depth, own_exit = strategy.levels[0].depth, str(strategy.model.exit_points[0])
     for key, value in strategy.global_state.items():
         parts = key.split(".")
-        deeper = (parts[0] == "blocks" and int(parts[1]) >= depth) or (parts[0] == "exits" and parts[1] != own_exit)
+        deeper = (parts[0] == "blocks" and int(parts[1]) >= depth) or (
+            parts[0] == "exits" and parts[1] != own_exit
+        )
         if deeper or parts[0] == "head":
             assert torch.equal(value, before[key]), key
 
@@ -183,7 +211,9 @@ def test_tensors_that_received_no_gradient_are_not_counted(scalefl: ScaleFL, fak
     strategy = fresh(scalefl)
     top = [d for d in devices() if strategy.spec_for(0, d) == strategy.specs[-1]]
     a_task, b_task = strategy.assign(0, top).values()
-    a = fake_result(a_task, seed=1, drop=("blocks.0.step", "head.fc.bias"))  # a's upload lacks untouched tensors
+    a = fake_result(
+        a_task, seed=1, drop=("blocks.0.step", "head.fc.bias")
+    )  # a's upload lacks untouched tensors
     b = fake_result(b_task, seed=2)
     before = strategy.global_state["head.fc.bias"].clone()
     strategy.aggregate(0, [(a_task, a), (b_task, b)])
@@ -199,8 +229,15 @@ def test_registered_budgets_pick_the_largest_level_that_fits() -> None:
     from nestling.server.strategies import StrategyContext, create_strategy
     from nestling.server.strategies.base import DeviceInfo
 
-    ctx = StrategyContext(arch="resnet20", num_classes=10, in_channels=3, image_size=32, num_clients=4,
-                          total_rounds=4, local={"batch_size": 16})
+    ctx = StrategyContext(
+        arch="resnet20",
+        num_classes=10,
+        in_channels=3,
+        image_size=32,
+        num_clients=4,
+        total_rounds=4,
+        local={"batch_size": 16},
+    )
     strategy = create_strategy("scalefl", ctx)
     costs = [estimate(spec, 16).training_bytes for spec in strategy.specs]
     assert costs == sorted(costs)
