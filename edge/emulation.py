@@ -202,7 +202,7 @@ class EmulationTarget:
     def describe(self) -> dict[str, Any]:
         """What the agent's hello advertises (the server logs it and lists it in summary.json)."""
         figures = self.figures
-        described = {
+        described: dict[str, Any] = {
             "class": self.name,
             "trace_device": self.trace_device,
             "gflops": figures.sustained_gflops,

@@ -149,8 +149,8 @@ def _p50(row: dict[str, Any]) -> str:
 
 
 def _parity(row: dict[str, Any]) -> str:
-    worst = [v.get("max_rel") for v in (row.get("parity") or {}).values() if isinstance(v, dict)]
-    worst = [w for w in worst if isinstance(w, (int, float))]
+    reported = [v.get("max_rel") for v in (row.get("parity") or {}).values() if isinstance(v, dict)]
+    worst: list[float] = [float(w) for w in reported if isinstance(w, (int, float))]
     return f"{max(worst):.1e}" if worst else "-"
 
 

@@ -104,9 +104,8 @@ class MqttTransport:
         self.trained_by: dict[str, set[str]] = {}  # spec id → devices whose results of it were accepted
         self.current_round: int | None = None
         self.phase = "waiting"
-        self._inbox: queue.SimpleQueue[tuple[str, bytes, float]] = (
-            queue.SimpleQueue()
-        )  # topic, payload, arrival
+        # topic, payload, arrival, retained flag
+        self._inbox: queue.SimpleQueue[tuple[str, bytes, float, bool]] = queue.SimpleQueue()
         self._tasks: dict[str, Dispatched] = {}
         self._open: dict[str, str] = {}  # device id → task id it holds in the current round
         self._inbound: dict[str, Inbound] = {}
@@ -117,12 +116,10 @@ class MqttTransport:
         self._counted = RecentKeys()
         self._rehello_at: dict[str, float] = {}
         self._held: dict[str, Result] = {}  # task id -> a later result, kept until the first is judged
-        self._cleared: set[str] = (
-            set()
-        )  # topics whose retained frame we cleared (their empty echo is ignored)
-        self._chunk_answered_at: dict[
-            str, float
-        ] = {}  # device -> when its last chunk re-request was answered
+        # topics whose retained frame we cleared (their empty echo is ignored)
+        self._cleared: set[str] = set()
+        # device -> when its last chunk re-request was answered
+        self._chunk_answered_at: dict[str, float] = {}
         self._next_tick = 0.0
         self._status_sent: mqtt.MQTTMessageInfo | None = None
         self._subscribed = threading.Event()

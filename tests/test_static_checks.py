@@ -42,7 +42,7 @@ def test_ruff_format_is_applied() -> None:
 
 def _installed_layout(root: Path) -> Path:
     package = root / "nestling"
-    package.mkdir()
+    package.mkdir(parents=True)
     for entry in (REPO / "nestling").iterdir():
         if entry.name != "__pycache__":
             (package / entry.name).symlink_to(entry)
