@@ -37,6 +37,11 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
         "export_main",
         "export a trained submodel as an ONNX / TensorRT bundle",
     ),
+    "reproduce": (
+        "nestling.simulator.reproduce_cli",
+        "reproduce_main",
+        "run a seed paper's comparison over seeds and check its claims",
+    ),
     "infer": ("nestling.export.infer", "infer_main", "run an exported bundle with onnxruntime + numpy only"),
     "traces": ("nestling.simulator.traces_cli", "traces_main", "generate or import device traces"),
 }

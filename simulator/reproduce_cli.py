@@ -1,0 +1,134 @@
+"""`nestling reproduce NAME`: run a seed paper's comparison over seeds, resumably, and judge its claims."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+from nestling.config import SimConfig
+from nestling.config_io import write_config
+from nestling.errors import ConfigError
+from nestling.simulator.reproduce import (
+    SCALES,
+    Comparison,
+    RunResult,
+    judge,
+    known_comparisons,
+    load_comparison,
+    read_run,
+    summarise_runs,
+)
+from nestling.simulator.reproduce_report import write_results
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nestling reproduce",
+        description="Run one seed comparison (examples/reproduce/NAME.toml) over seeds and check its claims.",
+    )
+    p.add_argument("name", help=f"comparison name ({', '.join(known_comparisons())}) or a preset .toml path")
+    p.add_argument("--scale", choices=SCALES, default="small", help="small: 2 CPU cores; paper: a GPU box")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    p.add_argument("--out", type=Path, help="output folder (default runs/reproduce/NAME-SCALE)")
+    p.add_argument("--data-root", help="dataset folder (default: $NESTLING_DATA_ROOT or ../shared/data)")
+    p.add_argument("--only", help="comma-separated method labels to run (the table still reads all finished)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds expects comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds must list distinct integers, got {text!r}")
+    return seeds
+
+
+def run_state(run_dir: Path, cfg: SimConfig) -> str:
+    """'done' (summary of all rounds written), 'partial' (a checkpoint to resume from) or 'new'."""
+    summary = run_dir / "summary.json"
+    if summary.is_file() and int(json.loads(summary.read_text()).get("rounds", -1)) >= cfg.run.rounds:
+        return "done"
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("round-*/manifest.json")):
+        return "partial"
+    return "new"
+
+
+def run_one(cfg: SimConfig, run_dir: Path, quiet: bool, title: str) -> None:
+    """One method at one seed, resumed from its newest checkpoint when a previous attempt stopped."""
+    from nestling.progress import RoundProgress
+    from nestling.simulator.run import run_simulation
+
+    state = run_state(run_dir, cfg)
+    if state == "done":
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, run_dir / "config.toml")
+    with RoundProgress(cfg.run.rounds, enabled=not quiet, title=title) as progress:
+        run_simulation(cfg, run_dir, resume=state == "partial", on_round=progress.update)
+
+
+def reproduce(
+    comparison: Comparison,
+    seeds: list[int],
+    out_dir: Path,
+    *,
+    data_root: str | None = None,
+    only: list[str] | None = None,
+    quiet: bool = False,
+    command: str = "",
+) -> tuple[list[RunResult], dict[str, Path], str]:
+    """Run every (seed, method) not yet finished, then write the table; returns runs, files and the last line."""
+    for label in only or []:
+        comparison.entry(label)
+    for seed in seeds:
+        for entry in comparison.entries:
+            if only and entry.label not in only:
+                continue
+            cfg = comparison.config(entry, seed, data_root)
+            run_one(cfg, out_dir / f"seed-{seed}" / entry.label, quiet, f"{entry.label} · seed {seed}")
+    runs = [
+        read_run(entry.label, seed, out_dir / f"seed-{seed}" / entry.label, comparison.metrics)
+        for seed in seeds
+        for entry in comparison.entries
+        if run_state(out_dir / f"seed-{seed}" / entry.label, comparison.config(entry, seed, data_root))
+        == "done"
+    ]
+    table = summarise_runs(comparison, runs)
+    verdicts = judge(comparison, table)
+    files = write_results(out_dir, comparison, table, verdicts, runs, command)
+    held = sum(v.held for v in verdicts)
+    clear = sum(v.clear for v in verdicts)
+    accuracies = " ".join(
+        f"{entry.label}_{metric}={table[entry.label][metric].mean:.2f}"
+        for entry in comparison.entries
+        for metric in comparison.metrics
+    )
+    last = f"ordering_held={held}/{len(verdicts)} ordering_clear={clear}/{len(verdicts)} {accuracies}"
+    return runs, files, last
+
+
+def reproduce_main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    comparison = load_comparison(args.name, args.scale)
+    out_dir = args.out or Path("runs") / "reproduce" / f"{comparison.name}-{args.scale}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    only = [s.strip() for s in args.only.split(",")] if args.only else None
+    command = "nestling reproduce " + " ".join(shlex.quote(a) for a in argv)
+    _, files, last = reproduce(
+        comparison,
+        parse_seeds(args.seeds),
+        out_dir,
+        data_root=args.data_root,
+        only=only,
+        quiet=args.quiet,
+        command=command,
+    )
+    print(files["markdown"].read_text())
+    print(f"results in {out_dir} ({', '.join(p.name for p in files.values())})")
+    print(last)
+    return 0

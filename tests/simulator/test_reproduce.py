@@ -1,0 +1,200 @@
+"""`nestling reproduce`: presets resolve and validate, claims are judged against the seed spread, runs resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nestling.cli import main
+from nestling.errors import ConfigError
+from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
+from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.simulator.reproduce import (
+    Claim,
+    Spread,
+    judge,
+    known_comparisons,
+    load_comparison,
+    metric_reader,
+    summarise_runs,
+)
+from nestling.simulator.reproduce_cli import reproduce, run_state
+from nestling.simulator.run import run_simulation
+
+TINY = """
+name = "tiny"
+title = "FedAvg vs HeteroFL on digits"
+source = "a test"
+metrics = ["worst", "avg", "full", "level-1"]
+claims = ["fedavg > heterofl on worst", "heterofl > fedavg on full"]
+
+[[methods]]
+label = "fedavg"
+method = "fedavg"
+paper = { worst = 90.0 }
+
+[[methods]]
+label = "heterofl"
+method = "heterofl"
+options = { rates = [1.0, 0.5] }
+
+[scales.small]
+note = "two rounds"
+run = { rounds = 3, eval_every = 1, workers = 1 }
+data = { dataset = "digits", partition = "iid", clients = 4, limit_train = 160, limit_test = 60 }
+model = { arch = "tinycnn" }
+train = { fraction = 0.5, local_steps = 2, batch_size = 16 }
+"""
+
+
+@pytest.fixture
+def tiny_preset(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY)
+    return path
+
+
+def test_every_shipped_preset_builds_each_method_at_each_scale() -> None:
+    """A typo in a preset's options must fail here, not after hours of the other methods' training."""
+    assert {"nefl", "fedepth", "scalefl"} <= set(known_comparisons())
+    for name in known_comparisons():
+        for scale in ("small", "paper"):
+            comparison = load_comparison(name, scale)
+            assert comparison.claims, f"{name} claims nothing"
+            for entry in comparison.entries:
+                cfg = comparison.config(entry, seed=3)
+                assert cfg.run.seed == 3 and cfg.method.name == entry.method
+                ctx = StrategyContext(
+                    arch=cfg.model.arch,
+                    num_classes=10,
+                    in_channels=3,
+                    image_size=32,
+                    num_clients=cfg.data.clients,
+                    total_rounds=cfg.run.rounds,
+                    options=dict(cfg.method.options),
+                )
+                strategy = create_strategy(entry.method, ctx)
+                assert strategy.eval_targets(), f"{name}/{entry.label} has nothing to evaluate"
+
+
+def test_methods_of_one_seed_share_everything_but_the_method() -> None:
+    comparison = load_comparison("nefl", "small")
+    configs = [comparison.config(entry, seed=1).to_dict() for entry in comparison.entries]
+    for cfg in configs:
+        cfg.pop("method")
+    assert all(cfg == configs[0] for cfg in configs)
+
+
+def test_bad_presets_are_refused_with_the_reason(tmp_path: Path) -> None:
+    cases = {
+        "claim": ('claims = ["fedavg beats heterofl"]', "must read 'A > B on METRIC'"),
+        "label": ('claims = ["fedavg > fjord on worst"]', "names 'fjord'"),
+        "metric": ('claims = ["fedavg > heterofl on best"]', "uses metric 'best'"),
+    }
+    for name, (line, reason) in cases.items():
+        path = tmp_path / f"{name}.toml"
+        path.write_text(
+            TINY.replace('claims = ["fedavg > heterofl on worst", "heterofl > fedavg on full"]', line)
+        )
+        with pytest.raises(ConfigError, match=reason):
+            load_comparison(str(path), "small")
+    with pytest.raises(ConfigError, match="no scale 'paper'"):
+        load_comparison(str(tmp_path / "claim.toml").replace("claim", "label"), "paper")
+    with pytest.raises(ConfigError, match="no reproduction named 'nope'"):
+        load_comparison("nope", "small")
+
+
+def test_metrics_read_submodels_by_size() -> None:
+    subs = [
+        {"accuracy": 0.5, "parameters": 100},
+        {"accuracy": 0.7, "parameters": 10},
+        {"accuracy": 0.6, "parameters": 50},
+    ]
+    assert metric_reader("worst")(subs) == 0.5
+    assert metric_reader("avg")(subs) == pytest.approx(0.6)
+    assert metric_reader("full")(subs) == 0.5
+    assert metric_reader("level-1")(subs) == 0.7
+    assert metric_reader("level-2")(subs) == 0.6
+    with pytest.raises(ConfigError, match="level 4 of 3"):
+        metric_reader("level-4")(subs)
+    with pytest.raises(ConfigError, match="unknown metric"):
+        metric_reader("level-0")
+
+
+def test_a_claim_is_clear_only_when_its_margin_exceeds_the_seed_spread() -> None:
+    comparison = load_comparison("nefl", "small")
+    table = {
+        "nefl-wd": {"worst": Spread.of([59.0, 62.0]), "avg": Spread.of([70.0, 70.2])},
+        "fjord": {"worst": Spread.of([59.0, 59.4]), "avg": Spread.of([70.5, 70.7])},
+        "heterofl": {"worst": Spread.of([50.0, 51.0]), "avg": Spread.of([60.0, 61.0])},
+    }
+    verdicts = {str(v.claim): v for v in judge(comparison, table)}
+    close = verdicts["nefl-wd > fjord on worst"]
+    assert close.held and not close.clear  # +1.3 points, but nefl-wd seeds have std 2.12
+    assert close.margin == pytest.approx(1.3) and close.spread == pytest.approx(1.5 * 2**0.5)
+    assert not verdicts["nefl-wd > fjord on avg"].held
+    assert verdicts["nefl-wd > heterofl on worst"].clear
+    assert Claim.parse(" a>b on  worst ") == Claim("a", "b", "worst")
+
+
+def test_reproduce_runs_judges_and_skips_finished_runs(tiny_preset: Path, tmp_path: Path) -> None:
+    comparison = load_comparison(str(tiny_preset), "small")
+    out = tmp_path / "out"
+    runs, files, last = reproduce(comparison, [0, 1], out, quiet=True, command="test")
+    assert len(runs) == 4 and all(r.rounds == 3 for r in runs)
+    assert last.startswith("ordering_held=") and "/2 ordering_clear=" in last and "fedavg_worst=" in last
+    for path in files.values():
+        assert path.is_file() and path.stat().st_size > 0
+    report = json.loads(files["json"].read_text())
+    assert report["methods"]["fedavg"]["measured"]["worst"]["seeds"] == 2
+    assert [r["seed"] for r in report["methods"]["heterofl"]["runs"]] == [0, 1]
+    table = summarise_runs(comparison, runs)
+    assert table["fedavg"]["worst"].mean == pytest.approx(sum(r.final["worst"] for r in runs[::2]) / 2)
+    markdown = files["markdown"].read_text()
+    assert "| fedavg |" in markdown and "90.00" in markdown and "fedavg > heterofl on worst" in markdown
+    # seeds differ (their partitions and initial weights do), methods of one seed share the test set
+    assert runs[0].final != runs[2].final
+    stamp = (out / "seed-0" / "fedavg" / "summary.json").stat().st_mtime_ns
+    reproduce(comparison, [0, 1], out, quiet=True)
+    assert (out / "seed-0" / "fedavg" / "summary.json").stat().st_mtime_ns == stamp
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(
+    tiny_preset: Path, tmp_path: Path
+) -> None:
+    comparison = load_comparison(str(tiny_preset), "small")
+    entry = comparison.entry("heterofl")
+    cfg = comparison.config(entry, seed=0)
+
+    def stop_after_first(record: object) -> None:
+        raise _Stop
+
+    interrupted = tmp_path / "out" / "seed-0" / "heterofl"
+    with pytest.raises(_Stop):
+        run_simulation(cfg, interrupted, on_round=stop_after_first)
+    assert run_state(interrupted, cfg) == "partial"
+    reproduce(comparison, [0], tmp_path / "out", only=["heterofl"], quiet=True)
+    assert run_state(interrupted, cfg) == "done"
+    straight = tmp_path / "straight"
+    run_simulation(cfg, straight)
+    resumed_state, _ = load_checkpoint(latest_checkpoint(interrupted / "checkpoints"))
+    straight_state, _ = load_checkpoint(latest_checkpoint(straight / "checkpoints"))
+    assert resumed_state.keys() == straight_state.keys()
+    assert all(torch.equal(resumed_state[k], straight_state[k]) for k in straight_state)
+
+
+def test_command_line_prints_the_ordering_line(
+    tiny_preset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cli"
+    assert main(["reproduce", str(tiny_preset), "--seeds", "0", "--out", str(out), "--quiet"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("ordering_held=")
+    assert main(["reproduce", str(tiny_preset), "--seeds", "0,0", "--out", str(out), "--quiet"]) == 2
+    assert "--seeds must list distinct integers" in capsys.readouterr().err
