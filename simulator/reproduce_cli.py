@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -36,6 +37,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--only", help="comma-separated method labels to run (the table still reads all finished)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
+
+
+def default_data_root() -> str | None:
+    """$NESTLING_DATA_ROOT, else ../shared/data beside the repository when it exists (the loaders' own rule)."""
+    if os.environ.get("NESTLING_DATA_ROOT"):
+        return os.environ["NESTLING_DATA_ROOT"]
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return str(beside) if beside.is_dir() else None
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -123,7 +132,7 @@ def reproduce_main(argv: list[str]) -> int:
         comparison,
         parse_seeds(args.seeds),
         out_dir,
-        data_root=args.data_root,
+        data_root=args.data_root or default_data_root(),
         only=only,
         quiet=args.quiet,
         command=command,
