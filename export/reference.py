@@ -3,7 +3,8 @@
 Models trained with batch statistics (norm_stats="batch": HeteroFL, ScaleFL, FeDepth) hold no running
 statistics. Exporting them with batch statistics would make a prediction depend on the rest of its
 batch (and be undefined at batch 1), so export *calibrates* them instead: static BN (sBN, HeteroFL's
-own evaluation rule) over a sample of training data, the same pass `server.evaluation` runs.
+own evaluation rule) over a sample of training data, the same pass the server's evaluation runs
+(nestling.calibration).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from dataclasses import replace
 
 import torch
 
+from nestling.calibration import model_for_target
 from nestling.errors import ConfigError
 from nestling.eval_target import EvalTarget
 from nestling.models.net import ScalableNet
-from nestling.server.evaluation import Evaluator
 
 
 def needs_calibration(target: EvalTarget) -> bool:
@@ -33,10 +34,7 @@ def reference_model(
                 "needs calibration data for static BN: pass --calib-data DATASET"
             )
         target = replace(target, static_bn=True)
-    empty = torch.zeros(0, dtype=torch.int64)
-    probe = calibration[:0] if calibration is not None else torch.zeros(0, 1, 1, 1)
-    evaluator = Evaluator(probe, empty, batch_size=batch_size, device="cpu", calibration=calibration)
-    model = evaluator.model_for(target)
+    model = model_for_target(target, device="cpu", calibration=calibration, batch_size=batch_size)
     model.eval()
     for parameter in model.parameters():
         parameter.requires_grad_(False)

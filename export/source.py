@@ -1,4 +1,8 @@
-"""Where exported weights come from: a checkpoint, re-opened through the strategy that wrote it."""
+"""Where exported weights come from: a checkpoint's self-described deployables (nestling.checkpoint_io).
+
+Export reads what the strategy wrote beside its state when it saved the round: each submodel's spec (with its
+full ModelConfig) and weights. It never re-creates the server's strategy, so a board can export too.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nestling.checkpoint_io import Deployables, load_deployables, resolve_checkpoint
 from nestling.errors import ConfigError, SpecError
 from nestling.eval_target import EvalTarget
-from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
-from nestling.server.strategies import Strategy, StrategyContext, create_strategy
+from nestling.models.config import ModelConfig
 from nestling.slicing import check_compatible, extract
 from nestling.spec import SubmodelSpec
 
 
 @dataclass
 class CheckpointSource:
-    """A re-created strategy holding a checkpoint's state, plus the manifest facts export records."""
+    """A checkpoint's deployables plus the manifest facts export records."""
 
     path: Path
     manifest: dict[str, Any]
-    strategy: Strategy
+    deployables: Deployables
 
     @property
     def method(self) -> str:
@@ -35,58 +39,21 @@ class CheckpointSource:
     def dataset(self) -> str | None:
         return self.manifest.get("context", {}).get("dataset")
 
+    @property
+    def model(self) -> ModelConfig:
+        """The method's full model (a spec given with --spec must be a submodel of it)."""
+        return self.deployables.model
+
     def targets(self) -> list[EvalTarget]:
         """Every submodel the method defines, smallest first (NeFL: k1..k5 with their own BN and steps)."""
-        return self.strategy.eval_targets()
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A `round-XXXXXX` folder as given, or the newest complete one under a run or checkpoints folder."""
-    if (path / "manifest.json").is_file():
-        return path
-    for root in (path, path / "checkpoints"):
-        if root.is_dir():
-            found = latest_checkpoint(root)
-            if found is not None:
-                return found
-    raise ConfigError(
-        f"no complete checkpoint at {path} (expected round-XXXXXX/ with manifest.json, "
-        "or a folder holding them)"
-    )
-
-
-def context_from_manifest(manifest: dict[str, Any]) -> StrategyContext:
-    """The run's StrategyContext; checkpoints written before the manifest kept it fall back to the model."""
-    if "context" in manifest:
-        return StrategyContext.from_record(manifest["context"])
-    model = manifest.get("model")
-    if not isinstance(model, dict):
-        raise ConfigError(
-            "checkpoint manifest has neither 'context' nor 'model': cannot rebuild its strategy"
-        )
-    return StrategyContext(
-        arch=model["arch"],
-        num_classes=int(model["num_classes"]),
-        in_channels=int(model["in_channels"]),
-        image_size=int(model["image_size"]),
-        num_clients=1,
-        total_rounds=1,
-        model_extra=dict(model.get("extra", {})),
-    )
+        return list(self.deployables.targets)
 
 
 def open_checkpoint(path: Path) -> CheckpointSource:
-    """Load a checkpoint and re-create its strategy with the checkpoint's state."""
+    """Open a `round-XXXXXX` folder, or the newest complete one under a run or checkpoints folder."""
     folder = resolve_checkpoint(Path(path))
-    tensors, manifest = load_checkpoint(folder)
-    strategy = create_strategy(str(manifest.get("method")), context_from_manifest(manifest))
-    if "model" in manifest and strategy.model.to_dict() != manifest["model"]:
-        raise ConfigError(
-            f"checkpoint {folder} was written for a different model than its method re-creates; "
-            "its manifest lacks the run's method options"
-        )
-    strategy.load_state(tensors, manifest.get("strategy", {}))
-    return CheckpointSource(folder, manifest, strategy)
+    deployables, manifest = load_deployables(folder)
+    return CheckpointSource(folder, manifest, deployables)
 
 
 def select_target(
@@ -123,12 +90,12 @@ def select_target(
 
 def spec_target(source: CheckpointSource, spec: SubmodelSpec) -> EvalTarget:
     """Weights for any spec, sliced from the deployable full model (NeFL: the largest submodel's BN)."""
-    model = source.strategy.model
+    model = source.model
     if spec.model != model:
         raise SpecError(
             f"the spec's model {spec.model.to_dict()} is not the checkpoint's model {model.to_dict()}"
         )
-    state = source.strategy.global_export_state()
+    state = source.deployables.base
     check_compatible(state, spec)
     per_width = spec.width if model.norm_stats == "per_width" else None
     return EvalTarget(f"spec-{spec.id}", spec, extract(state, spec), active_width=per_width)

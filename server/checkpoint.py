@@ -1,4 +1,6 @@
-"""Atomic round checkpoints: `round-000123/` with `global.safetensors` + `manifest.json` (temp dir + rename)."""
+"""Atomic round checkpoints: `round-000123/` with `global.safetensors` + `manifest.json` (temp dir + rename).
+
+The server writes checkpoints; reading them is kernel code (nestling.checkpoint_io) that export and boards share."""
 
 from __future__ import annotations
 
@@ -9,12 +11,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from nestling.checkpoint_io import (
+    CHECKPOINT_FORMAT,
+    DEPLOYABLES,
+    latest_checkpoint,
+    load_checkpoint,
+    load_checkpoint_side,
+)
 from nestling.errors import ConfigError
 from nestling.hashing import sha256_file
+from nestling.server.strategies.base import Strategy
 
-CHECKPOINT_FORMAT = 1
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_checkpoint_side",
+    "save_checkpoint",
+]
 
 
 def save_checkpoint(
@@ -74,46 +90,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """Newest checkpoint whose manifest and weights are complete and match their sha256."""
-    for candidate in sorted(root.glob("round-*"), reverse=True):
-        manifest = candidate / "manifest.json"
-        weights = candidate / "global.safetensors"
-        if not (manifest.is_file() and weights.is_file()):
-            continue
-        try:
-            body = json.loads(manifest.read_text())
-        except json.JSONDecodeError:
-            continue
-        sides = body.get("sides", {}) if isinstance(body.get("sides", {}), dict) else {}
-        if body.get("weights_sha256") == sha256_file(weights) and all(
-            (candidate / f"{name}.safetensors").is_file()
-            and sha256_file(candidate / f"{name}.safetensors") == digest
-            for name, digest in sides.items()
-        ):
-            return candidate
-    return None
-
-
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    manifest_path = path / "manifest.json"
-    if not manifest_path.is_file():
-        raise ConfigError(f"checkpoint {path} has no manifest.json")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(
-            f"checkpoint {path} has format {manifest.get('format')}, expected {CHECKPOINT_FORMAT}"
-        )
-    return load_file(str(path / "global.safetensors")), manifest
-
-
-def load_checkpoint_side(path: Path, name: str) -> dict[str, torch.Tensor] | None:
-    """Side tensor set `name` of a checkpoint, or None when the checkpoint was written without it."""
-    manifest = json.loads((path / "manifest.json").read_text())
-    digest = manifest.get("sides", {}).get(name)
-    if digest is None:
-        return None
-    file = path / f"{name}.safetensors"
-    if not file.is_file() or sha256_file(file) != digest:
-        raise ConfigError(f"checkpoint {path}: {name}.safetensors is missing or does not match its sha256")
-    return load_file(str(file))
+def save_strategy_checkpoint(
+    root: Path,
+    round_index: int,
+    strategy: Strategy,
+    *,
+    seed: int,
+    totals: dict[str, Any] | None = None,
+    sides: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Path:
+    """A strategy's round checkpoint: its state, the run's context, and its self-described deployables."""
+    deployable_tensors, deployables = strategy.deployables()
+    manifest = {
+        "method": strategy.name,
+        "strategy": strategy.state_meta(),
+        "seed": seed,
+        "totals": dict(totals or {}),
+        "model": strategy.model.to_dict(),
+        "context": strategy.ctx.to_record(),
+        DEPLOYABLES: deployables,
+    }
+    return save_checkpoint(
+        root,
+        round_index,
+        strategy.state_tensors(),
+        manifest,
+        sides={DEPLOYABLES: deployable_tensors, **(sides or {})},
+    )

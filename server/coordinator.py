@@ -26,7 +26,7 @@ from nestling.server.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_checkpoint_side,
-    save_checkpoint,
+    save_strategy_checkpoint,
 )
 from nestling.server.clock import Clock
 from nestling.server.evaluation import EvalResult, Evaluator
@@ -422,21 +422,13 @@ class Coordinator:
         if last or (
             self.policy.checkpoint_every > 0 and (round_index + 1) % self.policy.checkpoint_every == 0
         ):
-            manifest = {
-                "method": self.strategy.name,
-                "strategy": self.strategy.state_meta(),
-                "seed": self.policy.seed,
-                "totals": dict(self.totals),
-                "model": self.strategy.model.to_dict(),
-                "context": self.strategy.ctx.to_record(),
-            }
-            sides = {self.side.name: self.side.snapshot()} if self.side else None
-            save_checkpoint(
+            save_strategy_checkpoint(
                 self.out_dir / "checkpoints",
                 round_index,
-                self.strategy.state_tensors(),
-                manifest,
-                sides=sides,
+                self.strategy,
+                seed=self.policy.seed,
+                totals=self.totals,
+                sides={self.side.name: self.side.snapshot()} if self.side else None,
             )
 
     def resume(self) -> int:

@@ -7,12 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nestling.calibration import model_for_target
+from nestling.eval_target import EvalTarget
 from nestling.models.cost import count_macs, count_parameters
-from nestling.models.layers import Scaler, SlimBatchNorm2d, set_active_width
 from nestling.models.net import ScalableNet
-from nestling.models.zoo import build
-from nestling.server.strategies.base import EvalTarget
-from nestling.spec import SubmodelSpec
 
 
 @dataclass
@@ -44,48 +42,10 @@ class Evaluator:
         self._cost_cache: dict[str, tuple[int, int]] = {}
 
     def model_for(self, target: EvalTarget) -> ScalableNet:
-        spec = target.spec
-        if target.static_bn:
-            spec = SubmodelSpec(
-                spec.model.with_(norm_stats="running"),
-                width=spec.width,
-                blocks=spec.blocks,
-                depth=spec.depth,
-                exits=spec.exits,
-                block_widths=spec.block_widths,
-                head=spec.head,
-            )
-        model = build(spec, init=False)
-        missing, unexpected = model.load_state_dict(target.state, strict=False)
-        stray = [k for k in missing if "running_" not in k and "num_batches" not in k]
-        if stray or unexpected:
-            raise ValueError(
-                f"evaluation weights do not match {target.name}: missing {stray[:3]}, unexpected {unexpected[:3]}"
-            )
-        model.to(self.device)
-        if target.active_width is not None:
-            set_active_width(model, target.active_width)
-        if target.static_bn:
-            self._static_bn(model)
-        return model
-
-    @torch.no_grad()
-    def _static_bn(self, model: ScalableNet) -> None:
-        """sBN: one pass over the training data with cumulative averaging (momentum=None), weights untouched."""
-        if self.calibration is None:
-            raise ValueError("static BN evaluation needs calibration (training) data")
-        for module in model.modules():
-            if isinstance(module, SlimBatchNorm2d):
-                module.momentum = None
-                module.reset_running_stats()
-        model.train()
-        for module in model.modules():
-            if isinstance(module, Scaler):
-                # Gather the statistics of the activations evaluation will see: a train-only Scaler is off
-                # there, so it must be off here too (else eval normalises x with the stats of x / r).
-                module.eval()
-        for start in range(0, len(self.calibration), self.batch_size):
-            model(self.calibration[start : start + self.batch_size].to(self.device))
+        """The target as it is scored: built, loaded, width selected and (sBN) calibrated (nestling.calibration)."""
+        return model_for_target(
+            target, device=self.device, calibration=self.calibration, batch_size=self.batch_size
+        )
 
     @torch.no_grad()
     def evaluate(self, target: EvalTarget) -> EvalResult:

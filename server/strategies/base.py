@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from nestling.aggregation import Contribution, masked_mean
+from nestling.checkpoint_io import pack_deployables
 from nestling.errors import ConfigError, SpecError
 from nestling.eval_target import EvalTarget
 from nestling.messages import Result, Task
@@ -237,3 +238,8 @@ class Strategy(ABC):
     def global_export_state(self) -> dict[str, torch.Tensor]:
         """The full model's weights as deployed (NeFL: consistent weights + the largest submodel's BN)."""
         return self.global_state
+
+    def deployables(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Every submodel this method deploys, self-described in each checkpoint so that export and boards
+        read it without re-creating the strategy (nestling.checkpoint_io)."""
+        return pack_deployables(self.model, self.global_export_state(), self.eval_targets())

@@ -15,7 +15,7 @@ from nestling.data import load_dataset
 from nestling.export.pipeline import ExportData
 from nestling.models.layers import SlimBatchNorm2d
 from nestling.models.zoo import build
-from nestling.server.checkpoint import save_checkpoint
+from nestling.server.checkpoint import save_strategy_checkpoint
 from nestling.server.strategies import Strategy, StrategyContext, create_strategy
 
 torch.set_num_threads(1)
@@ -52,15 +52,7 @@ def _randomise_bn(net: torch.nn.Module, generator: torch.Generator) -> None:
 
 def save_strategy(strategy: Strategy, root: Path) -> Path:
     """Write the checkpoint the coordinator would write after round 0."""
-    manifest = {
-        "method": strategy.name,
-        "strategy": strategy.state_meta(),
-        "seed": 0,
-        "totals": {},
-        "model": strategy.model.to_dict(),
-        "context": strategy.ctx.to_record(),
-    }
-    return save_checkpoint(root, 0, strategy.state_tensors(), manifest)
+    return save_strategy_checkpoint(root, 0, strategy, seed=0)
 
 
 @pytest.fixture

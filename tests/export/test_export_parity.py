@@ -76,7 +76,7 @@ def test_scalefl_all_exits_are_graph_outputs_in_depth_order(
 def test_early_exit_export_drops_the_blocks_after_it(
     scalefl_checkpoint: Path, synthetic32: ExportData, tmp_path: Path
 ) -> None:
-    first_exit = open_checkpoint(scalefl_checkpoint).strategy.model.exit_points[0]
+    first_exit = open_checkpoint(scalefl_checkpoint).model.exit_points[0]
     full = export_submodel(
         scalefl_checkpoint, tmp_path / "full", submodel="L4", data=synthetic32, options=FAST
     )

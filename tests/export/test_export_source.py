@@ -1,4 +1,4 @@
-"""Re-opening checkpoints: the strategy rebuilt from its manifest; submodels by name, level or spec."""
+"""Re-opening checkpoints through their self-described deployables; submodels by name, level or spec."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from nestling.errors import ConfigError, SpecError
-from nestling.export.source import context_from_manifest, open_checkpoint, select_target
+from nestling.export.source import open_checkpoint, select_target
 from nestling.models import ModelConfig
 from nestling.spec import SubmodelSpec
 
@@ -30,18 +31,29 @@ def test_targets_carry_each_nefl_submodels_own_bn_and_steps(nefl_checkpoint: Pat
 
 def test_a_spec_must_belong_to_the_checkpoints_model(nefl_checkpoint: Path) -> None:
     source = open_checkpoint(nefl_checkpoint)
-    target = select_target(source, spec=SubmodelSpec(source.strategy.model, width=0.5, blocks=(0, 4, 8)))
+    target = select_target(source, spec=SubmodelSpec(source.model, width=0.5, blocks=(0, 4, 8)))
     assert target.spec.width == 0.5 and target.state["stem.conv.weight"].shape[0] == 8
     with pytest.raises(SpecError, match="not the checkpoint's model"):
         select_target(source, spec=SubmodelSpec(ModelConfig("resnet20", num_classes=100)))
 
 
-def test_manifests_without_a_context_fall_back_to_the_model(nefl_checkpoint: Path, tmp_path: Path) -> None:
-    old = tmp_path / "round-000000"
+def test_a_checkpoint_that_does_not_describe_its_submodels_says_how_to_upgrade(
+    nefl_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Checkpoints written before deployables were described: a named error, then the upgrade command fixes it."""
+    from nestling.cli import main
+
+    old = tmp_path / "run" / "checkpoints" / "round-000000"
     shutil.copytree(nefl_checkpoint, old)
     manifest = json.loads((old / "manifest.json").read_text())
-    del manifest["context"]
+    del manifest["deployables"], manifest["sides"]["deployables"], manifest["context"]
     (old / "manifest.json").write_text(json.dumps(manifest))
-    ctx = context_from_manifest(manifest)
-    assert (ctx.arch, ctx.num_classes, ctx.image_size, ctx.dataset) == ("resnet20", 10, 32, None)
-    assert [t.name for t in open_checkpoint(old).targets()] == ["k1", "k2", "k3", "k4", "k5"]
+    (old / "deployables.safetensors").unlink()
+    with pytest.raises(ConfigError, match="nestling upgrade-checkpoint"):
+        open_checkpoint(old)
+    assert main(["upgrade-checkpoint", str(tmp_path / "run")]) == 0
+    upgraded, original = open_checkpoint(tmp_path / "run"), open_checkpoint(nefl_checkpoint)
+    assert [t.name for t in upgraded.targets()] == ["k1", "k2", "k3", "k4", "k5"]
+    for mine, theirs in zip(upgraded.targets(), original.targets(), strict=True):
+        assert mine.spec == theirs.spec and mine.state.keys() == theirs.state.keys()
+        assert all(torch.equal(mine.state[k], theirs.state[k]) for k in theirs.state)
