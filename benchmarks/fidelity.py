@@ -338,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="keep the trace, both runs and every log here")
     a = parser.parse_args(argv)
 
+    from nestling.profiler.traces import save_traces
     from nestling.simulator.generate import generate_fleet
-    from nestling.simulator.traces import save_traces
 
     with tempfile.TemporaryDirectory() as scratch:
         work = (a.out or Path(scratch)).resolve()

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from nestling.config import config_from_dict
+from nestling.profiler.traces import save_traces
 from nestling.simulator.generate import DEFAULT_MIX, generate_fleet
 from nestling.simulator.run import run_simulation
-from nestling.simulator.traces import save_traces
 
 
 def main() -> None:

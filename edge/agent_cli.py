@@ -41,10 +41,10 @@ def load_client_data(section: DataSection) -> ClientData:
 def resolve_emulation(device: DeviceSection) -> EmulationTarget | None:
     """The board `[device] emulate` / `emulate_trace` + `emulate_device` name, or None (no emulation).
 
-    The one place edge reads the simulator's catalogue and trace format (lazily: an agent that does
-    not emulate never imports them)."""
+    The board catalogue and the trace format are the profiler's (read lazily: an agent that does not
+    emulate never imports them)."""
     if device.emulate is not None:
-        from nestling.simulator.catalogue import BOARDS
+        from nestling.profiler.catalogue import BOARDS
 
         board = BOARDS.get(device.emulate)
         if board is None:
@@ -54,7 +54,7 @@ def resolve_emulation(device: DeviceSection) -> EmulationTarget | None:
             )
         return EmulationTarget.of_board(board)
     if device.emulate_trace is not None:
-        from nestling.simulator.traces import load_traces
+        from nestling.profiler.traces import load_traces
 
         traces = {trace.device_id: trace for trace in load_traces(device.emulate_trace)}
         trace = traces.get(str(device.emulate_device))

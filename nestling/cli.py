@@ -37,6 +37,11 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
         "export_main",
         "export a trained submodel as an ONNX / TensorRT bundle",
     ),
+    "upgrade-checkpoint": (
+        "nestling.server.checkpoint_upgrade",
+        "upgrade_main",
+        "describe the submodels of checkpoints written by an older Nestling",
+    ),
     "reproduce": (
         "nestling.simulator.reproduce_cli",
         "reproduce_main",

@@ -88,7 +88,7 @@ def start_agents(url: str, work: Path) -> list[subprocess.Popen]:
         with (work / f"agent-{index}.log").open("wb") as log:
             agents.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "nestling.edge.agent_cli", "--config", str(config)],
+                    [sys.executable, "-m", "nestling", "agent", "--config", str(config)],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,

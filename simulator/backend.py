@@ -12,10 +12,10 @@ from typing import Any, Protocol
 
 import torch
 
-from nestling.edge.emulation import samples_trained
 from nestling.edge.procedures import ClientData, DeviceStore
 from nestling.edge.store_state import stores_from_tensors, stores_to_tensors
 from nestling.messages import Result, Task
+from nestling.profiler.speed import samples_trained
 from nestling.simulator.batched import BatchPolicy, batch_key, run_tasks
 from nestling.simulator.packing import PackedState, pack_state
 

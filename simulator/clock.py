@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from nestling.profiler.traces import DeviceTrace
 from nestling.server.clock import Clock, VirtualClock, WallClock
-from nestling.simulator.traces import DeviceTrace
 
 __all__ = ["Clock", "VirtualClock", "WallClock", "task_duration"]
 

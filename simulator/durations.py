@@ -14,15 +14,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from nestling.edge.emulation import (
+from nestling.messages import Task
+from nestling.profiler.speed import (
     MacCounter,
     measured_compute_seconds,
     payload_bytes,
     samples_trained,
     training_flops,
 )
-from nestling.messages import Task
-from nestling.simulator.traces import DeviceTrace
+from nestling.profiler.traces import DeviceTrace
 from nestling.spec import SubmodelSpec
 
 __all__ = ["Arrival", "MacCounter", "TaskCost", "TraceDurations", "payload_bytes", "samples_trained"]

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import ConfigError
-from nestling.simulator.catalogue import get_board
-from nestling.simulator.traces import ANY_MODEL, DeviceTrace, save_traces
+from nestling.profiler.catalogue import get_board
+from nestling.profiler.traces import ANY_MODEL, DeviceTrace, save_traces
 
 FEDSCALE_TRAINING_FACTOR = 3.0  # FedScale's augmentation_factor: backward ~ 2x forward
 BITS_PER_KBIT = 1024.0  # FedScale counts update sizes as bytes / 1024 * 8

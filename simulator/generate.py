@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from nestling.errors import ConfigError
-from nestling.simulator.catalogue import BOARDS, get_board
-from nestling.simulator.traces import DeviceTrace, save_traces
+from nestling.profiler.catalogue import BOARDS, get_board
+from nestling.profiler.traces import DeviceTrace, save_traces
 
 DAY_S = 86400.0
 HOUR_S = 3600.0

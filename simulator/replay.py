@@ -17,6 +17,7 @@ from typing import Any
 
 from nestling.edge.procedures import ClientData
 from nestling.messages import Task
+from nestling.profiler.traces import DeviceTrace
 from nestling.server.clock import VirtualClock
 from nestling.server.coordinator import RoundRecord
 from nestling.server.strategies.base import DeviceInfo
@@ -24,7 +25,6 @@ from nestling.simulator.backend import Backend
 from nestling.simulator.durations import Arrival, TraceDurations
 from nestling.simulator.fleetdata import client_provider, device_id, device_index
 from nestling.simulator.inprocess import InProcessTransport
-from nestling.simulator.traces import DeviceTrace
 
 TIMELINE = "timeline.jsonl"
 

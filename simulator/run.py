@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from nestling.config import SimConfig
+from nestling.profiler.traces import load_traces
 from nestling.schedule import LrSchedule
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundPolicy, RoundRecord
@@ -31,7 +32,6 @@ from nestling.simulator.fleetdata import FleetData, device_id, device_index, loa
 from nestling.simulator.inprocess import InProcessTransport
 from nestling.simulator.replay import Replay, cycled_provider, fleet_size
 from nestling.simulator.replay_report import write_replay_report
-from nestling.simulator.traces import load_traces
 
 
 def partition_options(cfg: SimConfig) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import torch
 from nestling.edge.agent import Agent
 from nestling.edge.agent_cli import agent_main, apply_emulation_flags, resolve_emulation
 from nestling.edge.agent_config import DeviceSection, agent_config_from_dict, load_agent_config
-from nestling.edge.emulation import EmulationTarget, SpeedFigures
+from nestling.edge.emulation import EmulationTarget
 from nestling.edge.procedures import ClientData
 from nestling.errors import ConfigError
 from nestling.fleet_messages import (
@@ -23,12 +23,13 @@ from nestling.fleet_messages import (
     encode_task,
 )
 from nestling.fleet_transfers import Inbound
+from nestling.profiler.catalogue import BOARDS, get_board
+from nestling.profiler.speed import SpeedFigures
+from nestling.profiler.traces import DeviceTrace, save_traces
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo
-from nestling.simulator.catalogue import BOARDS, get_board
 from nestling.simulator.durations import TraceDurations
-from nestling.simulator.traces import DeviceTrace, save_traces
 from nestling.wire.chunking import split_into_chunks
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, decode_message, read_header

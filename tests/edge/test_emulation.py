@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from nestling.edge.emulation import EmulatedDevice, SpeedFigures, training_flops
+from nestling.edge.emulation import EmulatedDevice
 from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.cost import count_macs
 from nestling.models.zoo import build
-from nestling.simulator.catalogue import get_board
-from nestling.simulator.traces import DeviceTrace
+from nestling.profiler.catalogue import get_board
+from nestling.profiler.speed import SpeedFigures, training_flops
+from nestling.profiler.traces import DeviceTrace
 from nestling.spec import SubmodelSpec
 
 
@@ -118,8 +119,9 @@ def _task_on(spec: SubmodelSpec, hparams: dict) -> Task:
 
 
 def test_an_emulating_agent_paces_each_phase_to_what_the_replay_predicts() -> None:
-    from nestling.edge.emulation import EmulationTarget, TaskPacer, payload_bytes
+    from nestling.edge.emulation import EmulationTarget, TaskPacer
     from nestling.messages import Result
+    from nestling.profiler.speed import payload_bytes
     from nestling.simulator.durations import TraceDurations
 
     trace = DeviceTrace("pi-7", "rpi4", 2**30, up_bps=4e6, down_bps=8e6, latency_s=0.03, gflops=0.05)

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from nestling.errors import ConfigError
+from nestling.profiler.traces import DeviceTrace
 from nestling.simulator.clock import Clock, VirtualClock, WallClock, task_duration
-from nestling.simulator.traces import DeviceTrace
 
 
 def test_both_clocks_satisfy_the_protocol() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nestling.edge.emulation import training_flops
 from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.models.cost import count_macs
 from nestling.models.zoo import build
+from nestling.profiler.speed import training_flops
+from nestling.profiler.traces import ANY_MODEL, DeviceTrace
 from nestling.simulator.durations import TraceDurations, payload_bytes, samples_trained
-from nestling.simulator.traces import ANY_MODEL, DeviceTrace
 from nestling.spec import SubmodelSpec
 
 MODEL = ModelConfig("tinycnn", num_classes=4, in_channels=3, image_size=8)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from nestling.errors import ConfigError
+from nestling.profiler.traces import load_traces
 from nestling.simulator.fedscale_import import (
     export_fedscale_capacity,
     fedscale_capacity,
@@ -17,7 +18,6 @@ from nestling.simulator.fedscale_import import (
     load_plain_pickle,
     traces_import_main,
 )
-from nestling.simulator.traces import load_traces
 
 # Shaped like FedScale's files; values chosen to include awkward floats (ms -> s is inexact for
 # some of them) and the example entry quoted in public code (DEVICES.md §4).
@@ -55,7 +55,7 @@ def test_capacities_round_trip_exactly(tmp_path: Path) -> None:
 
 def test_capacities_survive_a_trace_file(tmp_path: Path) -> None:
     traces = import_fedscale(dump(tmp_path / "cap", CAPACITY))
-    from nestling.simulator.traces import save_traces
+    from nestling.profiler.traces import save_traces
 
     save_traces(traces, tmp_path / "fleet.jsonl")
     assert export_fedscale_capacity(load_traces(tmp_path / "fleet.jsonl")) == CAPACITY

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from nestling.errors import ConfigError
-from nestling.simulator.catalogue import get_board
+from nestling.profiler.catalogue import get_board
+from nestling.profiler.traces import load_traces
 from nestling.simulator.generate import DAY_S, DEFAULT_MIX, generate_fleet, parse_mix, traces_generate_main
-from nestling.simulator.traces import load_traces
 
 
 def test_same_seed_same_fleet_other_seed_other_fleet() -> None:

@@ -10,10 +10,10 @@ import torch
 
 from nestling.config import config_from_dict
 from nestling.errors import DependencyError
+from nestling.profiler.traces import DeviceTrace, save_traces
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
 from nestling.simulator.fleetdata import client_provider
 from nestling.simulator.run import run_simulation
-from nestling.simulator.traces import DeviceTrace, save_traces
 
 
 def test_without_ray_the_backend_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:

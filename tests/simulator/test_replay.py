@@ -13,13 +13,13 @@ from nestling.config import config_from_dict
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
+from nestling.profiler.traces import DeviceTrace, save_traces
 from nestling.server.clock import VirtualClock
 from nestling.server.strategies.base import DeviceInfo
 from nestling.simulator.durations import Arrival
 from nestling.simulator.inprocess import InProcessTransport
 from nestling.simulator.replay import TraceReplay, fleet_size
 from nestling.simulator.run import run_simulation
-from nestling.simulator.traces import DeviceTrace, save_traces
 from nestling.spec import SubmodelSpec
 
 

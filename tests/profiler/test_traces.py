@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nestling.errors import ConfigError
-from nestling.simulator.traces import ANY_MODEL, DeviceTrace, load_traces, save_traces
+from nestling.profiler.traces import ANY_MODEL, DeviceTrace, load_traces, save_traces
 
 DAY = 86400.0
 

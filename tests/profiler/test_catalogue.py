@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nestling.errors import ConfigError
-from nestling.simulator.catalogue import BOARDS, catalogue_markdown_table, get_board
+from nestling.profiler.catalogue import BOARDS, catalogue_markdown_table, get_board
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "devices.md"
 REQUIRED = {

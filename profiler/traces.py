@@ -16,8 +16,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from nestling.edge.emulation import ANY_MODEL
 from nestling.errors import ConfigError
+from nestling.profiler.speed import ANY_MODEL
 
 
 class TraceFieldError(ConfigError):
