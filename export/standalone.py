@@ -155,9 +155,9 @@ def _uniform(channels: int, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def pre_activation(bn: nn.BatchNorm2d) -> nn.Sequential:
-    """BN → ReLU as a per-channel affine and a ReLU (pre-activation blocks and normalised pool heads)."""
-    return nn.Sequential(ChannelAffine(bn_affine(bn)), nn.ReLU())
+def pre_activation(bn: nn.BatchNorm2d, input_scale: float = 1.0) -> nn.Sequential:
+    """[Scaler →] BN → ReLU as a per-channel affine and a ReLU (pre-activation blocks, normalised pool heads)."""
+    return nn.Sequential(ChannelAffine(bn_affine(bn, input_scale)), nn.ReLU())
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ class StandaloneKit:
     scale_affine: Callable[..., tuple[torch.Tensor, torch.Tensor]] = scale_affine
     scaler_factor: Callable[[nn.Module], float] = scaler_factor
     plain_linear: Callable[..., nn.Linear] = plain_linear
-    pre_activation: Callable[[nn.BatchNorm2d], nn.Sequential] = pre_activation
+    pre_activation: Callable[..., nn.Sequential] = pre_activation
     ChannelAffine: type[nn.Module] = ChannelAffine
     Residual: type[nn.Module] = Residual
     PreActResidual: type[nn.Module] = PreActResidual

@@ -62,7 +62,7 @@ class BasicBlock(nn.Module):
 
 
 class PreActBlock(nn.Module):
-    """Pre-activation block (FeDepth PreResNet-20, HeteroFL): h = ReLU(BN1 x); y = s·conv2(ReLU(BN2 conv1 h)) + P.
+    """Pre-activation block (FeDepth PreResNet-20, HeteroFL): h = ReLU(BN1 x); y = s·conv2(ReLU(BN2 conv1 h)) + P(h).
 
     Identity shortcuts add x, not h (METHODS §1.5 DECISION, AMBIG-9); projections act on h.
     """
@@ -81,12 +81,14 @@ class PreActBlock(nn.Module):
         self.skipped = skipped
         self.has_projection = stride != 1 or global_in != global_out
         if self.has_projection or not skipped:
+            self.scale1 = ctx.scaler()  # HeteroFL: a Scaler in front of every normalisation layer
             self.bn1 = ctx.norm(global_in)
         if self.has_projection:
-            self.shortcut = nn.Sequential(ctx.scaler(), ctx.conv(global_in, global_out, 1, stride=stride))
+            # No Scaler here: the projection's output meets no norm, so a train-only ×1/r would make training
+            # and evaluation different networks. (Index 0 keeps the state-dict key `shortcut.1.weight`.)
+            self.shortcut = nn.Sequential(nn.Identity(), ctx.conv(global_in, global_out, 1, stride=stride))
         if skipped:
             return
-        self.scale1 = ctx.scaler()
         self.conv1 = ctx.conv(global_in, global_out, 3, stride=stride, out_ratio=hidden_ratio)
         self.scale2 = ctx.scaler()
         self.bn2 = ctx.norm(global_out, hidden_ratio)
@@ -100,11 +102,11 @@ class PreActBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skipped and not self.has_projection:
             return x
-        h = F.relu(self.bn1(x))
+        h = F.relu(self.bn1(self.scale1(x)))
         skip = self.shortcut(h) if self.has_projection else x
         if self.skipped:
             return skip
-        out = self.conv1(self.scale1(h))
+        out = self.conv1(h)
         out = self.conv2(F.relu(self.bn2(self.scale2(out))))
         return self.step * out + skip
 

@@ -17,13 +17,14 @@ class PoolClassifier(nn.Module):
         self, ctx: BuildContext, global_channels: int, *, with_norm: bool, relu: bool = True
     ) -> None:
         super().__init__()
+        self.scale = ctx.scaler() if with_norm else None  # HeteroFL: a Scaler in front of every norm
         self.norm = ctx.norm(global_channels) if with_norm else None
         self.relu = relu
         self.fc = ctx.classifier(global_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
-            x = self.norm(x)
+            x = self.norm(self.scale(x) if self.scale is not None else x)
             x = F.relu(x) if self.relu else x
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 

@@ -138,7 +138,11 @@ class ResNetFamily(ModelFamily):
         if isinstance(part, PreActBlock):
             return _standalone_preact(part, kit)
         if isinstance(part, PoolClassifier):
-            pre = kit.pre_activation(part.norm) if part.norm is not None else nn.Identity()
+            pre = (
+                kit.pre_activation(part.norm, kit.scaler_factor(part.scale))
+                if part.norm is not None and part.scale is not None
+                else nn.Identity()
+            )
             return kit.PoolLinear(pre, kit.plain_linear(part.fc))
         if isinstance(part, ScaleFLExit):
             return kit.PoolLinear(nn.Sequential(*kit.fold_chain(list(part.body))), kit.plain_linear(part.fc))
@@ -168,11 +172,11 @@ def _walk_block(
     if preact:
         if skipped and not projection:
             return x
-        h = w.relu(w.bn(x, info.global_in))
-        skip = w.conv(w.scaler(h), c_out, 1, info.stride) if projection else x
+        h = w.relu(w.bn(w.scaler(x), info.global_in))
+        skip = w.conv(h, c_out, 1, info.stride) if projection else x
         if skipped:
             return skip
-        out = w.conv(w.scaler(h), c_h, 3, info.stride)
+        out = w.conv(h, c_h, 3, info.stride)
         out = w.conv(w.relu(w.bn(w.scaler(out), info.global_out, hidden)), c_out, 3)
         return w.fresh(w.step(out))
     skip = w.bn(w.scaler(w.conv(x, c_out, 1, info.stride)), info.global_out) if projection else x
@@ -186,7 +190,7 @@ def _walk_block(
 def _walk_pool_head(w: Walker, x: Any, global_channels: int, *, with_norm: bool, relu: bool = True) -> Any:
     """[BN [→ ReLU]] → global average pool → linear over every class (PoolClassifier)."""
     if with_norm:
-        x = w.bn(x, global_channels)
+        x = w.bn(w.scaler(x), global_channels)
         if relu:
             x = w.relu(x)
     return w.linear(w.pool(x), w.model.num_classes)
@@ -242,18 +246,17 @@ def _standalone_basic(block: BasicBlock, kit: ExportKit) -> nn.Module | None:
 def _standalone_preact(block: PreActBlock, kit: ExportKit) -> nn.Module | None:
     if block.skipped and not block.has_projection:
         return None
-    pre = kit.pre_activation(block.bn1)
+    pre = kit.pre_activation(block.bn1, kit.scaler_factor(block.scale1))
     projection: nn.Conv2d | None = None
     if block.has_projection:
-        scaler, conv = block.shortcut
+        _, conv = block.shortcut
         assert isinstance(conv, nn.Conv2d)
-        projection = kit.fold_conv(conv, pre_scale=kit.scaler_factor(scaler))
+        projection = kit.fold_conv(conv)
     if block.skipped:
         assert projection is not None
         return nn.Sequential(pre, projection)
     conv1 = kit.fold_conv(
         block.conv1,
-        pre_scale=kit.scaler_factor(block.scale1),
         post=kit.bn_affine(block.bn2, kit.scaler_factor(block.scale2)),
     )
     conv2 = kit.fold_conv(

@@ -55,6 +55,10 @@ class StrategyContext:
     dataset: str | None = None  # the run's dataset, recorded so exports know normalisation and class names
 
     def model_config(self, **overrides: Any) -> ModelConfig:
+        """The run's model for a method. The trainable per-block step size is NeFL's own (METHODS §2.a): NeFL
+        asks for it; every other method's blocks keep a fixed step of 1 (HeteroFL, FjORD, DepthFL, ScaleFL,
+        FeDepth and FedAvg have none)."""
+        overrides.setdefault("learnable_step", False)
         return ModelConfig(
             arch=self.arch,
             num_classes=self.num_classes,
