@@ -30,8 +30,10 @@ class BasicBlock(nn.Module):
         *,
         skipped: bool,
         hidden_ratio: float | None = None,
+        global_hidden: int | None = None,
     ) -> None:
         super().__init__()
+        hidden = global_out if global_hidden is None else global_hidden  # a grown layout's internal width
         self.skipped = skipped
         self.has_projection = stride != 1 or global_in != global_out
         if self.has_projection:
@@ -40,10 +42,10 @@ class BasicBlock(nn.Module):
             )
         if skipped:
             return
-        self.conv1 = ctx.conv(global_in, global_out, 3, stride=stride, out_ratio=hidden_ratio)
+        self.conv1 = ctx.conv(global_in, hidden, 3, stride=stride, out_ratio=hidden_ratio)
         self.scale1 = ctx.scaler()
-        self.bn1 = ctx.norm(global_out, hidden_ratio)
-        self.conv2 = ctx.conv(global_out, global_out, 3, in_ratio=hidden_ratio)
+        self.bn1 = ctx.norm(hidden, hidden_ratio)
+        self.conv2 = ctx.conv(hidden, global_out, 3, in_ratio=hidden_ratio)
         self.scale2 = ctx.scaler()
         self.bn2 = ctx.norm(global_out)
         self.step = _step(1.0, ctx.model.learnable_step)
@@ -76,8 +78,10 @@ class PreActBlock(nn.Module):
         *,
         skipped: bool,
         hidden_ratio: float | None = None,
+        global_hidden: int | None = None,
     ) -> None:
         super().__init__()
+        hidden = global_out if global_hidden is None else global_hidden  # a grown layout's internal width
         self.skipped = skipped
         self.has_projection = stride != 1 or global_in != global_out
         if self.has_projection or not skipped:
@@ -89,10 +93,10 @@ class PreActBlock(nn.Module):
             self.shortcut = nn.Sequential(nn.Identity(), ctx.conv(global_in, global_out, 1, stride=stride))
         if skipped:
             return
-        self.conv1 = ctx.conv(global_in, global_out, 3, stride=stride, out_ratio=hidden_ratio)
+        self.conv1 = ctx.conv(global_in, hidden, 3, stride=stride, out_ratio=hidden_ratio)
         self.scale2 = ctx.scaler()
-        self.bn2 = ctx.norm(global_out, hidden_ratio)
-        self.conv2 = ctx.conv(global_out, global_out, 3, in_ratio=hidden_ratio)
+        self.bn2 = ctx.norm(hidden, hidden_ratio)
+        self.conv2 = ctx.conv(hidden, global_out, 3, in_ratio=hidden_ratio)
         self.step = _step(1.0, ctx.model.learnable_step)
 
     def stepped_channels(self) -> int:

@@ -51,6 +51,10 @@ class ModelConfig:
             raise ConfigError("[model] num_classes, in_channels must be >= 1 and image_size >= 4")
         if self.norm_stats == "per_width" and not self.width_levels:
             raise ConfigError("[model] norm_stats 'per_width' needs width_levels")
+        if "layout" in self.extra:
+            object.__setattr__(
+                self, "extra", {**self.extra, "layout": validated_layout(self.extra["layout"])}
+            )
         object.__setattr__(self, "exit_points", tuple(sorted(int(e) for e in self.exit_points)))
         object.__setattr__(self, "width_levels", tuple(float(w) for w in self.width_levels))
 
@@ -77,3 +81,34 @@ class ModelConfig:
 
     def with_(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
+
+
+def validated_layout(layout: Any) -> dict[str, list[int]]:
+    """`extra["layout"]` of a grown ResNet-family model, checked and normalised to plain lists of ints.
+
+    {"stage_blocks": blocks per stage, "block_hidden": every block's internal width in channels, in depth
+    order}. Absolute channel counts rather than ratios: a grown width (Net2WiderNet doubles 16 to 32) is
+    exact, JSON keeps it, and no rounding rule can move it. The family checks the stage count.
+    """
+    if not isinstance(layout, dict) or set(layout) != {"stage_blocks", "block_hidden"}:
+        raise ConfigError(
+            f"[model] extra.layout must be a table with exactly stage_blocks and block_hidden, got {layout!r}"
+        )
+    checked: dict[str, list[int]] = {}
+    for key in ("stage_blocks", "block_hidden"):
+        values = layout[key]
+        if (
+            not isinstance(values, (list, tuple))
+            or not values
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)
+        ):
+            raise ConfigError(
+                f"[model] extra.layout.{key} must be a non-empty list of integers >= 1, got {values!r}"
+            )
+        checked[key] = [int(v) for v in values]
+    if len(checked["block_hidden"]) != sum(checked["stage_blocks"]):
+        raise ConfigError(
+            f"[model] extra.layout.block_hidden has {len(checked['block_hidden'])} entries, "
+            f"stage_blocks {checked['stage_blocks']} make {sum(checked['stage_blocks'])} blocks"
+        )
+    return checked

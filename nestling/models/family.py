@@ -44,6 +44,7 @@ class ModelFamily:
     paper: str = ""
     groupable: bool = False  # K same-spec clients can train as one grouped network (simulator/grouped.py)
     stem_trains_every_stage: bool = False  # FeDepth §3.a.9: every depth stage also trains the stem
+    supports_layout: bool = False  # understands extra["layout"] (per-stage block counts, per-block widths)
 
     # -- structure -----------------------------------------------------------------------------
     def block_infos(self, image_size: int, extra: dict[str, Any]) -> tuple[BlockInfo, ...]:
@@ -65,6 +66,10 @@ class ModelFamily:
 
     def build(self, spec: SubmodelSpec) -> ScalableNet:
         """The physically sliced module of `spec` (uninitialised: zoo.build initialises)."""
+        if "layout" in spec.model.extra and not self.supports_layout:
+            raise ConfigError(
+                f"[model] model family '{self.name}' cannot build an extra.layout (ResNet families can)"
+            )
         infos = self.block_infos(spec.model.image_size, spec.model.extra)
         kept, depth = kept_blocks(spec, len(infos))
         ctx = BuildContext(spec.model, spec.width)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nestling.errors import SpecError
+from nestling.errors import ConfigError, SpecError
 from nestling.models.blocks import BasicBlock, PreActBlock
 from nestling.models.context import BuildContext
 from nestling.models.family import ExportKit, ModelFamily, NeflPreset, Walker
@@ -60,8 +60,31 @@ class ResNetFamily(ModelFamily):
     nefl_wd: tuple[tuple[float, tuple[int, ...] | None], ...] | None = None
     groupable: bool = True  # every layer is per-channel once grouped
 
+    supports_layout = (
+        True  # extra["layout"] (FedTrans's grown models) sets blocks per stage and internal widths
+    )
+
     def stage_depths(self, extra: dict[str, Any]) -> tuple[int, ...]:
-        return self.depths
+        layout = self._layout(extra)
+        return self.depths if layout is None else tuple(layout["stage_blocks"])
+
+    def block_hidden(self, image_size: int, extra: dict[str, Any]) -> tuple[int, ...]:
+        """Every block's global internal width (conv1's outputs): the stage width unless a layout grew it."""
+        layout = self._layout(extra)
+        if layout is not None:
+            return tuple(layout["block_hidden"])
+        return tuple(info.global_out for info in self.block_infos(image_size, extra))
+
+    def _layout(self, extra: dict[str, Any]) -> dict[str, list[int]] | None:
+        layout = extra.get("layout")
+        if layout is None:
+            return None
+        if len(layout["stage_blocks"]) != len(self.stage_widths):
+            raise ConfigError(
+                f"[model] extra.layout.stage_blocks {layout['stage_blocks']} must list the "
+                f"{len(self.stage_widths)} stages of {self.name}"
+            )
+        return layout  # ModelConfig validated the rest (nestling.models.config.validated_layout)
 
     # -- structure -----------------------------------------------------------------------------
     def block_infos(self, image_size: int, extra: dict[str, Any]) -> tuple[BlockInfo, ...]:
@@ -69,7 +92,7 @@ class ResNetFamily(ModelFamily):
         channels, size = self.stem_width, image_size
         if self.max_pool:
             size = (size + 1) // 2
-        for stage, (width, depth) in enumerate(zip(self.stage_widths, self.depths)):
+        for stage, (width, depth) in enumerate(zip(self.stage_widths, self.stage_depths(extra))):
             for j in range(depth):
                 stride = (self.first_stride if stage == 0 else 2) if j == 0 else 1
                 out_size = (size + stride - 1) // stride
@@ -82,6 +105,7 @@ class ResNetFamily(ModelFamily):
     ) -> tuple[nn.Module, list[nn.Module], dict[int, nn.Module], nn.Module | None]:
         stem = ConvStem(ctx, self.stem_width, relu=not self.preact, max_pool=self.max_pool)
         block_cls = PreActBlock if self.preact else BasicBlock
+        hidden = self.block_hidden(spec.model.image_size, spec.model.extra)
         blocks: list[nn.Module] = [
             block_cls(
                 ctx,
@@ -90,6 +114,7 @@ class ResNetFamily(ModelFamily):
                 info.stride,
                 skipped=info.index not in kept,
                 hidden_ratio=None if spec.block_widths is None else spec.block_widths[info.index],
+                global_hidden=hidden[info.index],
             )
             for info in infos[:depth]
         ]
@@ -112,10 +137,17 @@ class ResNetFamily(ModelFamily):
         if self.max_pool:
             x = w.max_pool(x)
         final = self.stage_widths[-1]
+        global_hidden = self.block_hidden(model.image_size, model.extra)
         for info in infos[:depth]:
             w.begin(f"block{info.index}", "block", info.index)
             x = _walk_block(
-                w, x, info, skipped=info.index not in kept, preact=self.preact, hidden=w.hidden(info.index)
+                w,
+                x,
+                info,
+                skipped=info.index not in kept,
+                preact=self.preact,
+                hidden=w.hidden(info.index),
+                global_hidden=global_hidden[info.index],
             )
             if info.index in spec.exits:
                 w.begin(f"exit{info.index}", "exit", info.index)
@@ -164,10 +196,17 @@ class ResNetFamily(ModelFamily):
 
 # -- the symbolic walk of blocks and heads (profiler/walk.py runs it; the test over every family holds it) --
 def _walk_block(
-    w: Walker, x: Any, info: BlockInfo, *, skipped: bool, preact: bool, hidden: float | None
+    w: Walker,
+    x: Any,
+    info: BlockInfo,
+    *,
+    skipped: bool,
+    preact: bool,
+    hidden: float | None,
+    global_hidden: int,
 ) -> Any:
     """BasicBlock / PreActBlock, skipped blocks running only their shortcut."""
-    c_h, c_out = w.ch(info.global_out, hidden), w.ch(info.global_out)
+    c_h, c_out = w.ch(global_hidden, hidden), w.ch(info.global_out)
     projection = info.stride != 1 or info.global_in != info.global_out
     if preact:
         if skipped and not projection:
@@ -177,12 +216,12 @@ def _walk_block(
         if skipped:
             return skip
         out = w.conv(h, c_h, 3, info.stride)
-        out = w.conv(w.relu(w.bn(w.scaler(out), info.global_out, hidden)), c_out, 3)
+        out = w.conv(w.relu(w.bn(w.scaler(out), global_hidden, hidden)), c_out, 3)
         return w.fresh(w.step(out))
     skip = w.bn(w.scaler(w.conv(x, c_out, 1, info.stride)), info.global_out) if projection else x
     if skipped:
         return w.relu(skip)
-    out = w.relu(w.bn(w.scaler(w.conv(x, c_h, 3, info.stride)), info.global_out, hidden))
+    out = w.relu(w.bn(w.scaler(w.conv(x, c_h, 3, info.stride)), global_hidden, hidden))
     out = w.bn(w.scaler(w.conv(out, c_out, 3)), info.global_out)
     return w.relu(w.fresh(w.step(out)))
 
