@@ -1,0 +1,171 @@
+"""Cells of a growable model (METHODS §4.a.1): the residual blocks of a ResNet-family layout.
+
+A cell is the unit FedTrans widens or deepens. For the ResNet families (CIFAR ResNets, PreResNet, ResNet-18/34,
+the tiny CNN, all `ResNetFamily`) a cell is one residual block `blocks.{i}`; its growable width is the block's
+internal width (conv1's outputs), carried by `extra["layout"]` (nestling.models.config.validated_layout).
+
+What the ViT would need for the same kernel: `ViTFamily` must read a layout too (blocks per model and per-block
+MLP width or head count), widening would replicate fc1 rows / divide fc2 columns (no norm sits between them, so
+no statistics to copy) or whole heads in q, k, v and divide proj's columns, and deepening would insert an encoder
+block with proj and fc2 weights and biases zeroed (exact in train and eval mode, LayerNorm has no running state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from nestling.errors import ConfigError
+from nestling.models.config import ModelConfig
+from nestling.models.family import family_of
+from nestling.models.resnet_family import ResNetFamily
+
+State = dict[str, torch.Tensor]
+CELL_KINDS = ("inherited", "widened", "inserted")
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Blocks per stage and every block's internal width (channels), in depth order."""
+
+    stage_blocks: tuple[int, ...]
+    block_hidden: tuple[int, ...]
+
+    def stage_of(self, cell: int) -> tuple[int, int]:
+        """(stage, position inside the stage) of global block `cell`."""
+        offset = 0
+        for stage, count in enumerate(self.stage_blocks):
+            if cell < offset + count:
+                return stage, cell - offset
+            offset += count
+        raise ConfigError(f"cell {cell} does not exist (the model has {offset} blocks)")
+
+    def stage_start(self, stage: int) -> int:
+        return sum(self.stage_blocks[:stage])
+
+
+@dataclass(frozen=True)
+class CellOrigin:
+    """Where one cell of a model came from in an older model (METHODS §4.a.5).
+
+    kind: inherited (same tensors), widened (a prefix of its units are the older cell's) or inserted (new);
+    `inherited_fraction` = #params of the older cell / #params of this cell (1, <1, 0), the cell's mc(l).
+    """
+
+    kind: str
+    parent_cell: int | None
+    inherited_fraction: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in CELL_KINDS:
+            raise ConfigError(f"cell kind must be one of {CELL_KINDS}, got {self.kind!r}")
+        if (self.kind == "inserted") != (self.parent_cell is None):
+            raise ConfigError("an inserted cell has no parent cell and every other cell has one")
+
+
+Provenance = tuple[CellOrigin, ...]  # one CellOrigin per cell of the newer model
+
+
+def growable_family(config: ModelConfig) -> ResNetFamily:
+    """The family of `config`, refused clearly when FedTrans cannot grow it."""
+    family = family_of(config.arch)
+    if not isinstance(family, ResNetFamily):
+        raise ConfigError(
+            f"[model] FedTrans grows ResNet-family models (cells = residual blocks); '{config.arch}' is not one"
+        )
+    if config.exit_points:
+        raise ConfigError("[model] FedTrans grows single-head models; exit_points must be empty")
+    if config.norm_stats == "per_width":
+        raise ConfigError("[model] FedTrans cannot grow per-width BN statistics (norm_stats 'per_width')")
+    return family
+
+
+def layout_of(config: ModelConfig) -> Layout:
+    """The explicit layout of `config` (the family's own depths and stage widths when it has none)."""
+    family = growable_family(config)
+    return Layout(
+        tuple(family.stage_depths(config.extra)), tuple(family.block_hidden(config.image_size, config.extra))
+    )
+
+
+def with_layout(config: ModelConfig, layout: Layout) -> ModelConfig:
+    """`config` describing `layout` (the board builds it from the task's ModelConfig)."""
+    layout_table = {"stage_blocks": list(layout.stage_blocks), "block_hidden": list(layout.block_hidden)}
+    return config.with_(extra={**config.extra, "layout": layout_table})
+
+
+def cell_prefix(cell: int) -> str:
+    return f"blocks.{cell}."
+
+
+def cell_of_key(key: str) -> int | None:
+    """The cell a state key belongs to, or None for the stem and the head (shared by every model)."""
+    if not key.startswith("blocks."):
+        return None
+    return int(key.split(".", 2)[1])
+
+
+def is_statistic(key: str) -> bool:
+    """BN running statistics and counters: state, not trained weights."""
+    return key.rsplit(".", 1)[-1] in _STATISTICS
+
+
+def cell_parameter_count(state: Mapping[str, torch.Tensor], cell: int) -> int:
+    """Trained parameters of one cell (BN statistics excluded), the #param of METHODS §4.a.5."""
+    prefix = cell_prefix(cell)
+    return sum(t.numel() for k, t in state.items() if k.startswith(prefix) and not is_statistic(k))
+
+
+def cell_count(config: ModelConfig) -> int:
+    return sum(layout_of(config).stage_blocks)
+
+
+def identity_provenance(count: int) -> Provenance:
+    """Every cell inherited unchanged from the same position (a model relative to itself)."""
+    return tuple(CellOrigin("inherited", cell, 1.0) for cell in range(count))
+
+
+def compose(older: Provenance, newer: Provenance) -> Provenance:
+    """Provenance of C relative to A, from B relative to A (`older`) and C relative to B (`newer`)."""
+    composed: list[CellOrigin] = []
+    for origin in newer:
+        if origin.parent_cell is None:
+            composed.append(origin)
+            continue
+        before = older[origin.parent_cell]
+        if before.parent_cell is None:
+            composed.append(CellOrigin("inserted", None, 0.0))
+            continue
+        fraction = before.inherited_fraction * origin.inherited_fraction
+        kind = "inherited" if before.kind == origin.kind == "inherited" else "widened"
+        composed.append(CellOrigin(kind, before.parent_cell, fraction))
+    return tuple(composed)
+
+
+def provenance_to_list(provenance: Provenance) -> list[list[object]]:
+    """JSON form for checkpoints: [kind, parent_cell, inherited_fraction] per cell."""
+    return [[o.kind, o.parent_cell, o.inherited_fraction] for o in provenance]
+
+
+def provenance_from_list(rows: list[list[object]]) -> Provenance:
+    origins = []
+    for row in rows:
+        kind, parent, fraction = row
+        origins.append(
+            CellOrigin(str(kind), None if parent is None else int(parent), float(fraction))  # type: ignore[call-overload, arg-type]
+        )
+    return tuple(origins)
+
+
+def model_macs(config: ModelConfig) -> int:
+    """MACs of one forward pass of the model `config` describes (compared with client capacities T_c)."""
+    from nestling.models.cost import count_macs
+    from nestling.models.zoo import build  # the zoo imports every family module: import on use
+    from nestling.spec import SubmodelSpec
+
+    with torch.random.fork_rng(devices=[]):  # building draws initial weights: keep the caller's RNG stream
+        net = build(SubmodelSpec(config), init=False)
+    return count_macs(net, (config.in_channels, config.image_size, config.image_size))
