@@ -25,9 +25,10 @@ def test_a_layout_builds_the_blocks_and_widths_it_names(arch: str) -> None:
     model = ModelConfig(arch, image_size=IMAGE, extra={"layout": GROWN})
     net = build(SubmodelSpec(model))
     assert len(net.blocks) == 9
-    assert [b.conv1.out_channels for b in net.blocks] == GROWN["block_hidden"]
-    assert [b.conv2.in_channels for b in net.blocks] == GROWN["block_hidden"]
-    assert [b.conv2.out_channels for b in net.blocks] == [16] * 3 + [32] * 4 + [64] * 2
+    convs = [(b.get_submodule("conv1"), b.get_submodule("conv2")) for b in net.blocks]
+    assert [c1.out_channels for c1, _ in convs] == GROWN["block_hidden"]
+    assert [c2.in_channels for _, c2 in convs] == GROWN["block_hidden"]
+    assert [c2.out_channels for _, c2 in convs] == [16] * 3 + [32] * 4 + [64] * 2
     assert [info.stride for info in net.infos] == [1, 1, 1, 2, 1, 1, 1, 2, 1]
     assert net(torch.randn(2, 3, IMAGE, IMAGE)).shape == (2, 10)
 
