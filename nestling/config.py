@@ -102,6 +102,9 @@ class RunSection:
     divergence_guard: bool = True  # roll back a round that left the model non-finite or exploded
     divergence_factor: float = 1000.0
     quarantine_rounds: int = 3  # rounds the devices of a rolled-back round are not selected
+    # refuse an update whose cosine with the mean of the round's other updates is below this and an outlier
+    # among the round's cosines (server/screening.py; -1: off)
+    min_update_cosine: float = 0.0
 
 
 BACKENDS = ("auto", "inprocess", "pool", "ray")

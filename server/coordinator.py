@@ -32,10 +32,14 @@ from nestling.server.clock import Clock
 from nestling.server.evaluation import EvalResult, Evaluator
 from nestling.server.refusals import RefusalLog
 from nestling.server.screening import (
+    FlatUpdate,
+    GlobalLayout,
     RobustPolicy,
-    UpdateSize,
     absolute_reason,
     clip_update,
+    direction_cosines,
+    direction_outliers,
+    flat_update,
     largest_magnitude,
     outliers,
     update_size,
@@ -133,7 +137,8 @@ class Coordinator:
         self.quarantine_log: list[dict[str, Any]] = []  # every quarantine, for the run's summary
         self.aggregate_seconds = 0.0  # screening + aggregation + divergence guard, the robustness overhead
         self._registered: dict[str, DeviceInfo] = {}
-        self._sizes: dict[str, UpdateSize] = {}
+        self._updates: dict[str, FlatUpdate] = {}  # task id -> its flat update, for this round's screening
+        self._global_layout: GlobalLayout | None = None
         self._judged: set[str] = set()  # devices whose result reached validation this round
         self._non_finite: set[str] = set()  # ... and of those, the ones whose tensors were NaN/Inf
         # Divergence guard: the strategy's state before the last applied aggregation, and who it applied.
@@ -162,7 +167,7 @@ class Coordinator:
         ]
         selected = self.select(round_index, available)
         self._registered = {d.device_id: d for d in selected}
-        self._sizes, self._judged, self._non_finite = {}, set(), set()
+        self._updates, self._judged, self._non_finite = {}, set(), set()
         tasks = self.strategy.assign(round_index, selected)
         dispatched_at = self.clock.now()
         self.transport.dispatch(list(tasks.values()))
@@ -292,7 +297,8 @@ class Coordinator:
             return "rejected_num_samples"
         if self.policy.robust.screen_updates:
             measured = time.perf_counter()
-            size = update_size(task, result)
+            update = flat_update(task, result)
+            size = update.size
             self.aggregate_seconds += time.perf_counter() - measured
             reason = absolute_reason(size, self.policy.robust)
             if reason:
@@ -300,7 +306,7 @@ class Coordinator:
                     self._non_finite.add(result.device_id)
                 self.refusals.refuse(round_index, result.device_id, "rejected_update_norm", reason)
                 return "rejected_update_norm"
-            self._sizes[result.task_id] = size
+            self._updates[result.task_id] = update
         self.seen_tasks.add(result.task_id)
         return None
 
@@ -310,29 +316,45 @@ class Coordinator:
         """Refuse updates far outside the round's distribution, then clip what remains if configured."""
         robust = self.policy.robust
         if robust.screen_updates and len(accepted) >= 2:
-            refused = outliers([self._sizes[r.task_id] for _, r in accepted], robust)
+            refused = outliers([self._updates[r.task_id].size for _, r in accepted], robust)
             for index, reason in sorted(refused.items()):
                 device_id = accepted[index][1].device_id
                 self.refusals.refuse(round_index, device_id, "rejected_update_norm", reason)
                 counters["rejected_update_norm"] += 1
             accepted = [pair for i, pair in enumerate(accepted) if i not in refused]
+        if robust.screen_updates and robust.min_update_cosine > -1.0 and len(accepted) >= 3:
+            cosines = direction_cosines([self._updates[r.task_id] for _, r in accepted], self._layout())
+            turned = direction_outliers(cosines, robust)
+            for index, reason in sorted(turned.items()):
+                device_id = accepted[index][1].device_id
+                self.refusals.refuse(round_index, device_id, "rejected_update_direction", reason)
+                counters["rejected_update_direction"] += 1
+            accepted = [pair for i, pair in enumerate(accepted) if i not in turned]
         if robust.clip_update_norm is not None:
             bound = robust.clip_update_norm
             clipped = []
             for task, result in accepted:
-                size = self._sizes.get(result.task_id) or update_size(task, result)
+                known = self._updates.get(result.task_id)
+                size = known.size if known is not None else update_size(task, result)
                 if size.norm > bound:
                     counters["clipped"] += 1
                 clipped.append((task, clip_update(task, result, size.norm, bound)))
             accepted = clipped
         return accepted
 
+    def _layout(self) -> GlobalLayout:
+        """The global model's flat layout the direction screen compares nested updates in (cached per shapes)."""
+        shapes = {k: tuple(v.shape) for k, v in self.strategy.global_state.items() if v.is_floating_point()}
+        if self._global_layout is None or self._global_layout.shapes != shapes:
+            self._global_layout = GlobalLayout(shapes)
+        return self._global_layout
+
     # -- divergence guard ------------------------------------------------------------------------
     def _snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return (
-            {k: v.clone() for k, v in self.strategy.state_tensors().items()},
-            json.loads(json.dumps(self.strategy.state_meta())),
-        )
+        """The strategy's state before a round, by reference: `Strategy.aggregate` replaces state tensors and
+        never writes into them (tests/server/strategies/test_state_contract.py holds every method to it), so
+        no copy is needed; `load_state` copies when rolling back."""
+        return dict(self.strategy.state_tensors()), json.loads(json.dumps(self.strategy.state_meta()))
 
     def _aggregate_guarded(
         self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]

@@ -2,7 +2,9 @@
 
 A result's update is result − task weights over its floating tensors. Screening refuses (reason
 `update_norm`) an update that is non-finite, larger than an absolute bound, or far larger than the
-other results of the same round (factor × their median norm). Clipping scales an update down to a
+other results of the same round (factor × their median norm), and (reason `update_direction`) an update
+that points against the round's consensus: its cosine with the mean of the other updates, compared on the
+coordinates both touch (nested submodels are prefixes of the global tensors), below `min_update_cosine`. Clipping scales an update down to a
 bound (the DP-FedAvg style L2 bound) instead of refusing it. Both act before aggregation and only
 read honest results, so an honest run whose updates pass is aggregated bit for bit as before.
 """
@@ -39,6 +41,9 @@ class RobustPolicy:
         1e3  # the global model's largest |weight| may grow at most this much in one round
     )
     quarantine_rounds: int = 3  # rounds a device whose update was rolled back is not selected
+    min_update_cosine: float = (
+        0.0  # refuse updates pointing against the others' mean (and off the round's); -1: off
+    )
 
     def __post_init__(self) -> None:
         checks = [
@@ -49,6 +54,7 @@ class RobustPolicy:
             (0.0 <= self.trim_fraction < 0.5, "trim_fraction must be in [0, 0.5)"),
             (self.divergence_factor > 1, "divergence_factor must be > 1"),
             (self.quarantine_rounds >= 0, "quarantine_rounds must be >= 0"),
+            (-1.0 <= self.min_update_cosine < 1.0, "min_update_cosine must be in [-1, 1) (-1: off)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -79,24 +85,161 @@ def robust_policy(run: RunSection) -> RobustPolicy:
         divergence_guard=run.divergence_guard,
         divergence_factor=run.divergence_factor,
         quarantine_rounds=run.quarantine_rounds,
+        min_update_cosine=run.min_update_cosine,
+    )
+
+
+@dataclass(frozen=True)
+class FlatUpdate:
+    """One result's update as a flat float32 vector over the floating tensors it shares with its task, in
+    `keys` order, with its size. The vector is what the direction screen compares."""
+
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    vector: torch.Tensor
+    size: UpdateSize
+
+
+def flat_update(task: Task, result: Result) -> FlatUpdate:
+    """result − task flattened in one pass; the norm is inf when any element (or the norm) is non-finite."""
+    keys = tuple(
+        key for key, value in result.weights.items() if value.is_floating_point() and key in task.weights
+    )
+    if not keys:
+        return FlatUpdate((), (), torch.zeros(0), UpdateSize(0.0, 0))
+    trained = torch.cat([result.weights[k].detach().reshape(-1).float() for k in keys])
+    sent = torch.cat([task.weights[k].detach().reshape(-1).float() for k in keys])
+    vector = trained.sub_(sent)
+    norm = float(torch.linalg.vector_norm(vector))  # float32: a norm that overflows it is non-finite
+    shapes = tuple(tuple(result.weights[k].shape) for k in keys)
+    return FlatUpdate(
+        keys, shapes, vector, UpdateSize(norm if math.isfinite(norm) else math.inf, vector.numel())
     )
 
 
 def update_size(task: Task, result: Result) -> UpdateSize:
-    """L2 norm (float64) of result − task over the floating tensors the result carries; inf if non-finite."""
-    pairs = [
-        (value.detach(), task.weights[key].detach())
-        for key, value in result.weights.items()
-        if value.is_floating_point() and key in task.weights
-    ]
-    if not pairs:
-        return UpdateSize(0.0, 0)
-    trained, sent = [p[0] for p in pairs], [p[1] for p in pairs]
-    # One fused pass per tensor list, in the tensors' own precision: an update whose norm overflows float32
-    # is refused as non-finite.
-    norms = torch._foreach_norm(torch._foreach_sub(trained, sent))
-    total = float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms])))
-    return UpdateSize(total if math.isfinite(total) else math.inf, sum(t.numel() for t in trained))
+    """L2 norm of result − task over the floating tensors the result carries; inf if non-finite."""
+    return flat_update(task, result).size
+
+
+class GlobalLayout:
+    """Where each element of a (nested) submodel's flat update sits in the flat global model.
+
+    Width and depth slicing keep prefixes of every tensor (METHODS §1.1), so an update of shape s of a global
+    tensor of shape S occupies its leading s-box. Positions are cached per key order and shapes."""
+
+    def __init__(self, global_shapes: dict[str, tuple[int, ...]]) -> None:
+        self.shapes = global_shapes
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for key, shape in global_shapes.items():
+            self.offsets[key] = total
+            total += math.prod(shape)
+        self.size = total
+        self._cache: dict[tuple[tuple[str, ...], tuple[tuple[int, ...], ...]], torch.Tensor | None] = {}
+
+    def positions(self, update: FlatUpdate) -> torch.Tensor | None:
+        """Global flat index of every element of `update`, or None when it does not nest in the global model."""
+        signature = (update.keys, update.shapes)
+        if signature not in self._cache:
+            self._cache[signature] = self._positions(update)
+        return self._cache[signature]
+
+    def _positions(self, update: FlatUpdate) -> torch.Tensor | None:
+        parts = []
+        for key, shape in zip(update.keys, update.shapes, strict=True):
+            full = self.shapes.get(key)
+            if (
+                full is None
+                or len(full) != len(shape)
+                or any(s > f for s, f in zip(shape, full, strict=True))
+            ):
+                return None
+            grid = torch.arange(math.prod(full), dtype=torch.int64).reshape(full) + self.offsets[key]
+            parts.append(grid[tuple(slice(0, s) for s in shape)].reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def direction_cosines(updates: list[FlatUpdate], layout: GlobalLayout) -> list[float | None]:
+    """Each update's cosine with the mean of the others, per element over the others that touch it.
+
+    Updates that do not nest in the global layout get None (not judged). Updates of one submodel layout are
+    summed as plain vectors; only one scatter into the global vector and one gather back happen per distinct
+    layout (a method has a handful), so the cost is a few vector passes per update."""
+    groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for i, update in enumerate(updates):
+        where = layout.positions(update)
+        if where is not None and update.vector.numel():
+            groups.setdefault(id(where), (where, []))[1].append(i)
+    total = torch.zeros(layout.size, dtype=torch.float32)
+    count = torch.zeros(layout.size, dtype=torch.float32)
+    for where, members in groups.values():
+        summed = updates[members[0]].vector.clone()
+        for i in members[1:]:
+            summed.add_(updates[i].vector)
+        total.index_add_(0, where, summed)
+        count[where] += float(len(members))
+    cosines: list[float | None] = [None] * len(updates)
+    for where, members in groups.values():
+        seen_total, others = total[where], count[where] - 1.0
+        # mean of the others per element = (S - u) / others; with w = 1 / others (0 where only u touches):
+        # u·mean = u·(S w) - (u²)·w and |mean|² = S²·w² - 2 u·(S w²) + (u²)·w², so each update costs a few dots.
+        weight = torch.where(others > 0, 1.0 / others.clamp(min=1.0), torch.zeros_like(others))
+        uniform = bool((others == others[0]).all()) and float(others[0]) > 0
+        if uniform:  # the common case: every element seen by the same updates; the constant 1/others cancels
+            total_sq = float(torch.dot(seen_total, seen_total))
+            for i in members:
+                u = updates[i].vector
+                u_sq, u_total = float(torch.dot(u, u)), float(torch.dot(u, seen_total))
+                mean_sq = total_sq - 2.0 * u_total + u_sq
+                denominator = math.sqrt(max(u_sq, 0.0) * max(mean_sq, 0.0))
+                cosines[i] = (u_total - u_sq) / denominator if denominator > 0 else None
+            continue
+        weighted, weighted2 = seen_total * weight, seen_total * weight * weight
+        total_sq = float(torch.dot(seen_total * seen_total, weight * weight))
+        shared, weight_sq = (weight > 0).float(), weight * weight
+        for i in members:
+            u = updates[i].vector
+            squares = u * u
+            u_sq = float(torch.dot(squares, shared))
+            dot = float(torch.dot(u, weighted)) - float(torch.dot(squares, weight))
+            mean_sq = total_sq - 2.0 * float(torch.dot(u, weighted2)) + float(torch.dot(squares, weight_sq))
+            denominator = math.sqrt(max(u_sq, 0.0) * max(mean_sq, 0.0))
+            cosines[i] = dot / denominator if denominator > 0 else None
+    return cosines
+
+
+DIRECTION_SPREAD = (
+    6.0  # an update is off-consensus only this many median absolute deviations below the median
+)
+CONSENSUS = 0.2  # below this median cosine a round has no common direction to defend
+
+
+def direction_outliers(cosines: list[float | None], policy: RobustPolicy) -> dict[int, str]:
+    """Index -> reason for updates pointing against the others' mean.
+
+    An update is refused when its cosine is below `min_update_cosine` AND an outlier among the round's cosines
+    (more than DIRECTION_SPREAD median absolute deviations below their median), in a round whose median cosine
+    is at least CONSENSUS. Measured on honest Dirichlet(0.1) and (0.5) digits runs (docs/benchmarks.md): FedAvg,
+    FjORD, NeFL and DepthFL updates agree (cosines with the others' mean above +0.21, medians +0.75..+0.92), so
+    a sign-flipped update stands far out; HeteroFL's and ScaleFL's honest updates do not (medians -0.17..+0.03,
+    down to -0.49), so their rounds have no consensus and nothing is refused on direction there. Needs at least
+    three judged updates (with two, each is the other's only reference) and refuses at most a minority."""
+    bound = policy.min_update_cosine
+    judged = [c for c in cosines if c is not None]
+    if bound <= -1.0 or len(judged) < 3:
+        return {}
+    centre = median(judged)
+    if centre < CONSENSUS:
+        return {}
+    spread = median(abs(c - centre) for c in judged)
+    cut = min(bound, centre - DIRECTION_SPREAD * spread)
+    refused = {
+        i: f"update cosine {c:+.3f} with the other updates' mean below {cut:+.3f} (round median {centre:+.3f})"
+        for i, c in enumerate(cosines)
+        if c is not None and c < cut
+    }
+    return refused if 2 * len(refused) < len(judged) else {}
 
 
 def absolute_reason(size: UpdateSize, policy: RobustPolicy) -> str | None:
@@ -141,9 +284,9 @@ def clip_update(task: Task, result: Result, norm: float, bound: float) -> Result
 
 
 def largest_magnitude(state: dict[str, torch.Tensor]) -> float:
-    """max |w| over the floating tensors of a model state (inf when any value is non-finite)."""
-    peaks = [
-        torch.amax(value.abs()) for value in state.values() if value.is_floating_point() and value.numel()
-    ]
-    worst = float(torch.stack(peaks).max()) if peaks else 0.0  # NaN propagates through amax
+    """max |w| over the floating tensors of a model state (inf when any value is non-finite), in one fused pass."""
+    values = [value for value in state.values() if value.is_floating_point() and value.numel()]
+    if not values:
+        return 0.0
+    worst = float(torch.stack(torch._foreach_norm(values, math.inf)).max())  # NaN propagates through the max
     return worst if math.isfinite(worst) else math.inf

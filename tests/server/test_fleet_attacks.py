@@ -183,3 +183,48 @@ def test_extreme_numbers_in_every_field_are_refused_and_the_round_goes_on(broker
         attacker.disconnect()
     assert record.aggregated and record.accepted == 2
     assert transport.counters["rejected_internal_error"] == 0
+
+
+def agreeing(task, board):
+    """Honest boards whose updates share a direction (as real local SGD on related data does): a common step
+    plus each board's own noise."""
+    result = honest(task, board)
+    for value in result.weights.values():
+        if value.is_floating_point():
+            value.add_(0.02 * torch.ones_like(value))
+    return result
+
+
+def sign_flipped_agreeing(task, board):
+    result = agreeing(task, board)
+    for key, value in result.weights.items():
+        if value.is_floating_point():
+            base = task.weights[key]
+            value.copy_(base - (value - base))
+    return result
+
+
+def test_a_sign_flipped_board_is_refused_on_direction(broker):
+    """Its update has an honest norm, so only its direction gives it away; the four honest boards stay in."""
+    behaviours = {board: agreeing for board in range(5)}
+    clean = run_fleet(broker, "agree-clean", rounds=2, behaviours=behaviours, boards=5, deadline_s=3.0)
+    assert all(r.counters.get("rejected_update_direction", 0) == 0 for r in clean.records)
+    attacked = run_fleet(
+        broker,
+        "agree-flip",
+        rounds=2,
+        behaviours={**behaviours, 4: sign_flipped_agreeing},
+        boards=5,
+        deadline_s=3.0,
+    )
+    assert [r.counters.get("rejected_update_direction", 0) for r in attacked.records] == [1, 1]
+    assert all(r.aggregated and r.accepted == 4 for r in attacked.records)
+    # The honest boards step every weight by +0.02 a round; let through, the flipped board would pull the mean
+    # step to (4 - 1) x 0.02 / 5 = 0.012, i.e. 0.016 lower after two rounds. Refused, the model moves as with
+    # five honest boards (their noise averages out over the elements).
+    shift = [
+        (attacked.state[k] - clean.state[k]).double().mean()
+        for k in clean.state
+        if clean.state[k].is_floating_point()
+    ]
+    assert abs(float(torch.stack(shift).mean())) < 0.004

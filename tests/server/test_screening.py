@@ -10,10 +10,14 @@ import torch
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.server.screening import (
+    FlatUpdate,
+    GlobalLayout,
     RobustPolicy,
     UpdateSize,
     absolute_reason,
     clip_update,
+    direction_cosines,
+    direction_outliers,
     outliers,
     update_size,
 )
@@ -70,3 +74,66 @@ def test_bad_settings_are_named() -> None:
         RobustPolicy(aggregation="mode")
     with pytest.raises(ConfigError, match="update_norm_factor"):
         RobustPolicy(update_norm_factor=1.0)
+
+
+def _reference_cosines(updates: list[FlatUpdate], layout: GlobalLayout) -> list[float]:
+    """The definition, element by element: cosine of u_i with the mean of the others that touch each element."""
+    total = torch.zeros(layout.size, dtype=torch.float64)
+    count = torch.zeros(layout.size, dtype=torch.float64)
+    placed = []
+    for u in updates:
+        where = layout.positions(u)
+        assert where is not None
+        total.index_add_(0, where, u.vector.double())
+        count.index_add_(0, where, torch.ones(where.numel(), dtype=torch.float64))
+        placed.append((u.vector.double(), where))
+    out = []
+    for vector, where in placed:
+        others = count[where] - 1
+        keep = others > 0
+        mean = (total[where] - vector)[keep] / others[keep]
+        out.append(float(torch.nn.functional.cosine_similarity(vector[keep], mean, dim=0)))
+    return out
+
+
+def _nested_update(width: int, seed: int, flip: bool = False) -> FlatUpdate:
+    generator = torch.Generator().manual_seed(seed)
+    trend = {"conv": torch.ones(8, 4), "bias": torch.ones(8)}
+    weights = {k: v[:width] if k == "bias" else v[:width, : width // 2] for k, v in trend.items()}
+    result = {
+        k: (-1 if flip else 1) * v + 0.3 * torch.randn(v.shape, generator=generator)
+        for k, v in weights.items()
+    }
+    keys = ("conv", "bias")
+    vector = torch.cat([result[k].reshape(-1) for k in keys])
+    shapes = tuple(tuple(result[k].shape) for k in keys)
+    return FlatUpdate(keys, shapes, vector, UpdateSize(float(vector.norm()), vector.numel()))
+
+
+def test_direction_cosines_equal_the_definition_for_equal_and_nested_submodels() -> None:
+    layout = GlobalLayout({"conv": (8, 4), "bias": (8,)})
+    same = [_nested_update(8, seed) for seed in range(4)]
+    nested = [_nested_update(w, seed) for seed, w in enumerate((8, 8, 6, 4, 4, 2))]
+    for updates in (same, nested):
+        got, want = direction_cosines(updates, layout), _reference_cosines(updates, layout)
+        assert all(g is not None and abs(g - w) < 1e-5 for g, w in zip(got, want, strict=True)), (got, want)
+
+
+def test_a_sign_flipped_update_is_refused_and_honest_ones_are_not() -> None:
+    layout = GlobalLayout({"conv": (8, 4), "bias": (8,)})
+    updates = [_nested_update(w, seed) for seed, w in enumerate((8, 8, 6, 4, 4, 2))]
+    updates.append(_nested_update(6, 99, flip=True))
+    refused = direction_outliers(direction_cosines(updates, layout), RobustPolicy())
+    assert list(refused) == [6] and "below" in refused[6]
+
+
+def test_direction_needs_three_updates_a_consensus_and_refuses_only_a_minority() -> None:
+    policy = RobustPolicy()
+    assert direction_outliers([0.9, -0.9], policy) == {}  # two updates: neither can be told from the attacker
+    assert direction_outliers([0.9, 0.85, -0.9], policy) == {
+        2: direction_outliers([0.9, 0.85, -0.9], policy)[2]
+    }
+    assert direction_outliers([0.1, -0.2, 0.05, -0.6, 0.0], policy) == {}  # no consensus (median below 0.2)
+    assert direction_outliers([0.9, -0.9, -0.8, -0.85], policy) == {}  # a majority against: nothing to defend
+    assert direction_outliers([0.9, 0.8, 0.85, -0.9], RobustPolicy(min_update_cosine=-1.0)) == {}  # off
+    assert direction_outliers([0.9, 0.5, 0.95, 0.4, 0.9], policy) == {}  # low but positive: honest non-IID

@@ -3,6 +3,7 @@ bit-identical with screening on, a bad board is refused, and robust rules run ev
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,31 @@ def test_robust_rules_aggregate_every_nested_strategy(tmp_path: Path, method: st
     )
     weights = final_weights(tmp_path / rule)
     assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize(
+    "method, arch",
+    [("fedavg", "tinycnn"), ("heterofl", "tinycnn"), ("nefl-wd", "resnet20"), ("depthfl", "resnet20")],
+)
+def test_honest_non_iid_boards_are_never_refused(tmp_path: Path, method: str, arch: str) -> None:
+    """Dirichlet(0.1) digits: boards' updates differ a lot, yet no honest one is refused on norm or direction."""
+    cfg = config_from_dict(
+        {
+            "run": {"rounds": 3, "seed": 1, "workers": 1, "eval_every": 3},
+            "data": {
+                "dataset": "digits",
+                "partition": "dirichlet",
+                "alpha": 0.1,
+                "clients": 8,
+                "limit_train": 800,
+            },
+            "model": {"arch": arch},
+            "method": {"name": method},
+            "train": {"fraction": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        }
+    )
+    run_simulation(cfg, tmp_path / method)
+    records = [json.loads(line) for line in (tmp_path / method / "metrics.jsonl").read_text().splitlines()]
+    refused = {k: v for r in records for k, v in r["counters"].items() if k.startswith("rejected")}
+    assert not refused, refused
+    assert all(r["aggregated"] for r in records)
