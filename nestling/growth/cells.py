@@ -3,6 +3,7 @@
 A cell is the unit FedTrans widens or deepens. For the ResNet families (CIFAR ResNets, PreResNet, ResNet-18/34,
 the tiny CNN, all `ResNetFamily`) a cell is one residual block `blocks.{i}`; its growable width is the block's
 internal width (conv1's outputs), carried by `extra["layout"]` (nestling.models.config.validated_layout).
+The tiny CNN is such a family already (one BasicBlock per stage), so it grows with no further code.
 
 What the ViT would need for the same kernel: `ViTFamily` must read a layout too (blocks per model and per-block
 MLP width or head count), widening would replicate fc1 rows / divide fc2 columns (no norm sits between them, so

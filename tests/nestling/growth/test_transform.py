@@ -172,3 +172,20 @@ def test_bad_growth_requests_are_refused_by_name() -> None:
         )
     with pytest.raises(ConfigError, match="operations_done has 2 entries"):
         transform(state, config, [0], [0, 0], torch.Generator())
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_the_tiny_cnn_grows_as_a_resnet_family(train: bool) -> None:
+    config = ModelConfig("tinycnn", image_size=IMAGE)
+    state = trained_looking(config)
+    grown = transform(state, config, [0, 1], [1, 0], torch.Generator().manual_seed(8))
+    assert grown.applied == (("widen", 1), ("deepen", 0))
+    assert layout_of(grown.config).stage_blocks == (2, 1)
+    x = _input(torch.float32)
+    torch.testing.assert_close(
+        outputs(grown.config, grown.state, x, train=train),
+        outputs(config, state, x, train=train),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    assert model_macs(grown.config) > model_macs(config)
