@@ -89,6 +89,9 @@ class RoundRecord:
     # whose updates it applied, now skipped for [run] quarantine_rounds rounds.
     rolled_back: int | None = None
     quarantined: list[str] = field(default_factory=list)
+    method: dict[str, Any] = field(
+        default_factory=dict
+    )  # what the strategy reports of the round (round_report)
 
 
 def tensor_bytes(tensors: dict) -> int:
@@ -212,6 +215,7 @@ class Coordinator:
             closed_at=closed_at,
             rolled_back=rolled_back,
             quarantined=quarantined,
+            method=self.strategy.round_report(round_index, accepted if aggregated else []),
         )
         if self._is_eval_round(round_index):
             self.last_eval = (

@@ -184,6 +184,8 @@ def run_fleet(
     summary = summarise(read_metrics(out_dir), cfg.to_dict(), time.perf_counter() - started)
     summary["transport"] = dict(sorted(transport.counters.items()))
     summary["quarantined"] = coordinator.quarantine_log  # devices a divergence guard rollback put aside
+    if method_summary := coordinator.strategy.run_summary():
+        summary["method_report"] = method_summary
     summary["trained_by"] = {spec: sorted(devices) for spec, devices in transport.trained_by.items()}
     if registry.emulated():
         summary["emulated"] = registry.emulated()

@@ -181,6 +181,8 @@ def run_simulation(
             write_replay_report(out_dir, title, summary["replay"]["device_classes"])
         )
     summary["quarantined"] = coordinator.quarantine_log
+    if method_summary := coordinator.strategy.run_summary():
+        summary["method_report"] = method_summary
     summary["aggregate_seconds"] = coordinator.aggregate_seconds
     write_summary(out_dir, summary)
     plot_accuracy(out_dir, title)

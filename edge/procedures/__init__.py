@@ -2,6 +2,7 @@
 
 from nestling.edge.procedures import depthwise as _depthwise  # noqa: F401
 from nestling.edge.procedures import distill as _distill  # noqa: F401
+from nestling.edge.procedures import dynamicfl as _dynamicfl  # noqa: F401
 from nestling.edge.procedures import fjord as _fjord  # noqa: F401
 
 # Importing the modules registers their procedures.

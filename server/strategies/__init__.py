@@ -5,6 +5,7 @@ from __future__ import annotations
 from nestling.errors import ConfigError
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy, StrategyContext
 from nestling.server.strategies.depthfl import DepthFL
+from nestling.server.strategies.dynamicfl import DynamicFL
 from nestling.server.strategies.fedavg import FedAvg
 from nestling.server.strategies.fedepth import FeDepth, MFeDepth
 from nestling.server.strategies.fjord import FjORD
@@ -23,8 +24,8 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-for _depthwise in (FeDepth, MFeDepth):
-    register_strategy(_depthwise)
+for _registered in (FeDepth, MFeDepth, DynamicFL):
+    register_strategy(_registered)
 
 
 def create_strategy(method: str, ctx: StrategyContext) -> Strategy:

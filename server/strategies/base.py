@@ -243,6 +243,15 @@ class Strategy(ABC):
         """The full model's weights as deployed (NeFL: consistent weights + the largest submodel's BN)."""
         return self.global_state
 
+    def round_report(self, round_index: int, accepted: list[tuple[Task, Result]]) -> dict[str, Any]:
+        """What this method did in a round beyond the common record (metrics.jsonl's `method` field): DynamicFL's
+        expanded convs per capacity, FedTrans's model births. `accepted` are the results it aggregated."""
+        return {}
+
+    def run_summary(self) -> dict[str, Any]:
+        """What this method adds to summary.json under `method_report` at the end of a run."""
+        return {}
+
     def deployables(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Every submodel this method deploys, self-described in each checkpoint so that export and boards
         read it without re-creating the strategy (nestling.checkpoint_io)."""

@@ -1,0 +1,107 @@
+"""`dynamicfl`: train a re-parameterised network, upload the plain one (METHODS §5).
+
+The board receives the plain global model, expands up to `capacity` of its most salient K×K convolutions into
+Diverse Branch Blocks (function-preserving, BN recalibrated on local batches), trains that richer network and
+fuses it back exactly before the upload, so the server only ever sees plain weights. `protocol = "paper"` keeps
+the structure ζ_i and salience between rounds in the device store (DYMM, DyRep's cut rule); `"released"` grows
+afresh every round from epoch 0's salience. Capacity 0 is plain local SGD, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list
+from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.models.net import ScalableNet
+from nestling.reparam import CutRule, DynamicState, find_sites, paper_round, released_round
+
+STORE_KEY = "dynamicfl"
+PROTOCOLS = ("paper", "released")
+
+
+def calibration_batches(data: ClientData, hp: dict[str, Any]) -> list[torch.Tensor]:
+    """The first `recalibration_batches` local batches in data order (drawing no random numbers, so capacity 0
+    trains exactly as plain SGD would)."""
+    batch = max(1, min(int(hp.get("batch_size", 32)), len(data)))
+    count = int(hp.get("recalibration_batches", 20))
+    return [data.x[start : start + batch] for start in range(0, min(len(data), count * batch), batch)]
+
+
+@register("dynamicfl")
+def train_dynamicfl(
+    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+) -> LocalOutcome:
+    capacity, protocol = int(hp.get("capacity", 0)), str(hp.get("protocol", "paper"))
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"dynamicfl protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if capacity < 0:
+        raise ValueError(f"dynamicfl capacity must be >= 0, got {capacity}")
+    # Each "epoch" of the round drivers is one pass of the task's batching: E epochs, or one pass of local_steps.
+    epochs = 1 if hp.get("local_steps") is not None else max(1, int(hp.get("local_epochs", 1)))
+    per_epoch = {**hp, "local_epochs": 1}
+    losses: list[float] = []
+
+    def train_epoch(net: nn.Module, after_backward: Callable[[], None]) -> None:
+        params = list(net.parameters())  # the structure may have changed since the last epoch
+        optimizer = make_optimizer(params, hp)
+        net.train()
+        clip = hp.get("grad_clip")
+        for x, y in batches(data, per_epoch, generator):
+            loss = cross_entropy(outputs_list(net(x))[-1], y, hp)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            after_backward()
+            if clip:
+                nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], float(clip))
+            optimizer.step()
+            losses.append(float(loss.detach()))
+
+    sites = find_sites(model, tuple(data.x.shape[1:]))
+    calibration = calibration_batches(data, hp) if capacity > 0 else None
+    inner = hp.get("inner_width")
+    inner_width = None if inner is None else int(inner)
+    if protocol == "paper":
+        state = DynamicState.from_store(store[STORE_KEY]) if STORE_KEY in store else DynamicState()
+        outcome = paper_round(
+            model,
+            sites,
+            state,
+            capacity,
+            epochs,
+            train_epoch,
+            round_index=int(hp.get("round", state.round + 1)),
+            calibration=calibration,
+            generator=generator,
+            inner_width=inner_width,
+            local_weight=float(hp.get("local_weight", 0.5)),
+            cut_rule=CutRule(float(hp.get("cut_spread", 0.02)), float(hp.get("cut_floor", 0.1))),
+            keep_branches=bool(hp.get("keep_branches", True)),
+        )
+        store[STORE_KEY] = state.to_store()
+    else:
+        outcome = released_round(
+            model,
+            sites,
+            capacity,
+            epochs,
+            train_epoch,
+            calibration=calibration,
+            generator=generator,
+            inner_width=inner_width,
+        )
+    structure = {site: sorted(branches) for site, branches in outcome.structure.items()}
+    report = {  # scalars travel in the result's metrics (the trainer keeps only scalar extras)
+        "dynamicfl_capacity": capacity,
+        "dynamicfl_expanded": len(outcome.structure),
+        "dynamicfl_grown": len(outcome.plan.grow),
+        "dynamicfl_cut": sum(len(v) for v in outcome.plan.cut.values()),
+        "dynamicfl_collapsed": len(outcome.plan.collapse),
+        "dynamicfl_structure": json.dumps(structure, sort_keys=True, separators=(",", ":")),
+    }
+    return LocalOutcome(model, len(data), losses, len(losses), extra=report)

@@ -1,0 +1,160 @@
+"""DynamicFL (METHODS §5): every board trains the plain global model, re-parameterised on the board.
+
+The server side is FedAvg over plain weights: a board with capacity c expands up to c of its most salient K×K
+convs into Diverse Branch Blocks, trains them and fuses them back before the upload
+(nestling.edge.procedures.dynamicfl). What the server decides is each board's capacity: from the memory budget
+it registered (the expansion's priced training memory must fit beside the plain model's), else from the
+`capacities` option in equal contiguous tiers by client index (the released code's 1:1:1 `device_ratio`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from functools import cached_property
+from typing import Any, ClassVar
+
+from nestling.errors import ConfigError
+from nestling.messages import Result, Task
+from nestling.models.zoo import build
+from nestling.profiler.estimator import training_memory
+from nestling.profiler.planner import device_memory_budget
+from nestling.reparam import ConvSite, affordable_capacity, find_sites
+from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.spec import SubmodelSpec
+
+PROTOCOLS = ("paper", "released")
+
+
+class DynamicFL(Strategy):
+    """FedAvg of plain uploads; per-board capacity, protocol and DYMM knobs travel in the task's hparams."""
+
+    name = "dynamicfl"
+    procedure = "dynamicfl"
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "protocol": "paper",  # "paper": structure kept per board (DYMM + DyRep cuts); "released": stateless
+        "capacities": [0, 1, 2],  # capacity tiers by client index when a board registered no budget
+        "max_capacity": None,  # cap on a budget-derived capacity (None: every expandable conv)
+        "local_weight": 0.5,  # S = w·S^l + (1 − w)·S^g (AMBIG-15)
+        "cut_spread": 0.02,  # DyRep: cut only when the std of branch weights exceeds this ...
+        "cut_floor": 0.1,  # ... and a branch's weight is below the mean and below this
+        "keep_branches": True,  # a board keeps its trained branch tensors between rounds (paper protocol)
+        "recalibration_batches": 20,  # BN recalibration passes after an expansion (METHODS §5.a.3: R = 20)
+        "inner_width": None,  # D of the 1×1→K×K branch (None: C_in, as the code)
+    }
+
+    def setup(self) -> None:
+        protocol = str(self.options["protocol"])
+        if protocol not in PROTOCOLS:
+            raise ConfigError(f"[method] dynamicfl protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        capacities = self.options["capacities"]
+        if not isinstance(capacities, list) or not capacities or any(int(c) < 0 for c in capacities):
+            raise ConfigError(
+                f"[method] dynamicfl capacities must be a non-empty list of ints >= 0, got {capacities!r}"
+            )
+        self.capacities = [int(c) for c in capacities]
+        self.spec = self.full_spec
+        self._capacity_log: dict[str, int] = {}  # device -> capacity last assigned (summary)
+        self._structures: dict[str, dict[str, list[str]]] = {}  # device -> last reported structure
+        self._classes: dict[str, str] = {}  # device -> capacity class label
+
+    @cached_property
+    def sites(self) -> list[ConvSite]:
+        """The expandable convs of the plain model (found once from one probe pass)."""
+        model = build(self.full_spec)
+        shape = (self.model.in_channels, self.model.image_size, self.model.image_size)
+        return find_sites(model, shape)
+
+    def capacity_of(self, device: DeviceInfo) -> int:
+        """Convs this board may expand: what its spare memory affords beside the plain model, else its tier."""
+        budget = device_memory_budget(device.memory_budget_bytes, device.profile)
+        if budget is not None:
+            batch = int(self.ctx.local.get("batch_size", 32))
+            momentum = float(self.ctx.local.get("momentum", 0.0)) > 0
+            spare = budget - training_memory(self.spec, batch, momentum=momentum)
+            if spare <= 0:
+                return 0
+            limit = self.options["max_capacity"]
+            inner = self.options["inner_width"]
+            return affordable_capacity(
+                self.sites,
+                spare,
+                batch=batch,
+                momentum=momentum,
+                inner_width=None if inner is None else int(inner),
+                limit=None if limit is None else int(limit),
+            )
+        if device.profile and "tier" in device.profile:
+            return self.capacities[min(int(device.profile["tier"]), len(self.capacities) - 1)]
+        per_tier = max(1.0, self.ctx.num_clients / len(self.capacities))
+        return self.capacities[min(int(device.index // per_tier), len(self.capacities) - 1)]
+
+    def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
+        return self.spec
+
+    def local_hparams(self, round_index: int, device: DeviceInfo, spec: SubmodelSpec) -> dict[str, Any]:
+        hp = super().local_hparams(round_index, device, spec)
+        capacity = self.capacity_of(device)
+        self._capacity_log[device.device_id] = capacity
+        hp.update(
+            capacity=capacity,
+            round=round_index,
+            protocol=self.options["protocol"],
+            local_weight=float(self.options["local_weight"]),
+            cut_spread=float(self.options["cut_spread"]),
+            cut_floor=float(self.options["cut_floor"]),
+            keep_branches=bool(self.options["keep_branches"]),
+            recalibration_batches=int(self.options["recalibration_batches"]),
+        )
+        if self.options["inner_width"] is not None:
+            hp["inner_width"] = int(self.options["inner_width"])
+        return hp
+
+    def aggregation_weight(self, result: Result) -> float:
+        return float(result.num_samples)
+
+    def eval_targets(self) -> list[EvalTarget]:
+        return [EvalTarget("full", self.spec, self.task_weights(self.spec))]
+
+    # -- reports ------------------------------------------------------------------------------
+    def round_report(self, round_index: int, accepted: list[tuple[Task, Result]]) -> dict[str, Any]:
+        """Per capacity class: boards, convs expanded (after the round's modulation), grown and cut."""
+        by_class: dict[str, Counter[str]] = defaultdict(Counter)
+        for task, result in accepted:
+            capacity = int(task.hparams.get("capacity", 0))
+            label = f"c{capacity}"
+            metrics = result.metrics
+            counts = by_class[label]
+            counts["boards"] += 1
+            for key in ("expanded", "grown", "cut", "collapsed"):
+                counts[key] += int(metrics.get(f"dynamicfl_{key}", 0))
+            self._classes[result.device_id] = label
+            raw = metrics.get("dynamicfl_structure")
+            if isinstance(raw, str):
+                try:
+                    self._structures[result.device_id] = json.loads(raw)
+                except json.JSONDecodeError:
+                    pass  # a report is informative only; the upload itself was validated
+        return {"dynamicfl": {label: dict(sorted(c.items())) for label, c in sorted(by_class.items())}}
+
+    def run_summary(self) -> dict[str, Any]:
+        """The final structure each board reported, grouped by capacity class, and how often each conv was
+        expanded in that class."""
+        classes: dict[str, dict[str, Any]] = {}
+        for device, label in sorted(self._classes.items()):
+            entry = classes.setdefault(label, {"boards": 0, "expanded_sites": Counter(), "structures": {}})
+            structure = self._structures.get(device, {})
+            entry["boards"] += 1
+            entry["expanded_sites"].update(structure.keys())
+            entry["structures"][device] = structure
+        for entry in classes.values():
+            entry["expanded_sites"] = dict(entry["expanded_sites"].most_common())
+        return {"dynamicfl": {"protocol": self.options["protocol"], "classes": classes}}
+
+    def state_meta(self) -> dict[str, Any]:
+        return {"structures": self._structures, "classes": self._classes}
+
+    def load_state(self, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+        super().load_state(tensors, meta)
+        self._structures = {k: dict(v) for k, v in meta.get("structures", {}).items()}
+        self._classes = dict(meta.get("classes", {}))
