@@ -10,16 +10,17 @@ afresh every round from epoch 0's salience. Capacity 0 is plain local SGD, bit f
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list
+from nestling.edge.procedures.plain import train_sgd
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.net import ScalableNet
-from nestling.reparam import CutRule, DynamicState, find_sites, paper_round, released_round
+from nestling.reparam import CutRule, DynamicState, ModulationPlan, find_sites, paper_round, released_round
 
 STORE_KEY = "dynamicfl"
 PROTOCOLS = ("paper", "released")
@@ -45,11 +46,21 @@ def train_dynamicfl(
     # Each "epoch" of the round drivers is one pass of the task's batching: E epochs, or one pass of local_steps.
     epochs = 1 if hp.get("local_steps") is not None else max(1, int(hp.get("local_epochs", 1)))
     per_epoch = {**hp, "local_epochs": 1}
+    if capacity == 0:  # plain local SGD, bit for bit; a board's stored structure waits for a capacity again
+        plain = train_sgd(model, data, hp, store, generator)
+        plain.extra.update(_report(capacity, {}, ModulationPlan()))
+        return plain
     losses: list[float] = []
+    current: dict[
+        str, Any
+    ] = {}  # the optimiser, kept while the parameter set is unchanged (momentum survives)
 
     def train_epoch(net: nn.Module, after_backward: Callable[[], None]) -> None:
-        params = list(net.parameters())  # the structure may have changed since the last epoch
-        optimizer = make_optimizer(params, hp)
+        params = list(net.parameters())
+        ids = tuple(id(p) for p in params)
+        if current.get("ids") != ids:  # the structure changed since the last epoch: new parameters
+            current.update(ids=ids, optimizer=make_optimizer(params, hp))
+        optimizer = current["optimizer"]
         net.train()
         clip = hp.get("grad_clip")
         for x, y in batches(data, per_epoch, generator):
@@ -63,7 +74,7 @@ def train_dynamicfl(
             losses.append(float(loss.detach()))
 
     sites = find_sites(model, tuple(data.x.shape[1:]))
-    calibration = calibration_batches(data, hp) if capacity > 0 else None
+    calibration = calibration_batches(data, hp)
     inner = hp.get("inner_width")
     inner_width = None if inner is None else int(inner)
     if protocol == "paper":
@@ -95,13 +106,22 @@ def train_dynamicfl(
             generator=generator,
             inner_width=inner_width,
         )
-    structure = {site: sorted(branches) for site, branches in outcome.structure.items()}
-    report = {  # scalars travel in the result's metrics (the trainer keeps only scalar extras)
+    return LocalOutcome(
+        model, len(data), losses, len(losses), extra=_report(capacity, outcome.structure, outcome.plan)
+    )
+
+
+def _report(capacity: int, structure: Mapping[str, Sequence[str]], plan: ModulationPlan) -> dict[str, Any]:
+    """Scalars for the result's metrics (the trainer keeps only scalar extras): the server's round report."""
+    return {
         "dynamicfl_capacity": capacity,
-        "dynamicfl_expanded": len(outcome.structure),
-        "dynamicfl_grown": len(outcome.plan.grow),
-        "dynamicfl_cut": sum(len(v) for v in outcome.plan.cut.values()),
-        "dynamicfl_collapsed": len(outcome.plan.collapse),
-        "dynamicfl_structure": json.dumps(structure, sort_keys=True, separators=(",", ":")),
+        "dynamicfl_expanded": len(structure),
+        "dynamicfl_grown": len(plan.grow),
+        "dynamicfl_cut": sum(len(v) for v in plan.cut.values()),
+        "dynamicfl_collapsed": len(plan.collapse),
+        "dynamicfl_structure": json.dumps(
+            {site: sorted(branches) for site, branches in structure.items()},
+            sort_keys=True,
+            separators=(",", ":"),
+        ),
     }
-    return LocalOutcome(model, len(data), losses, len(losses), extra=report)

@@ -19,7 +19,7 @@ from nestling.messages import Result, Task
 from nestling.models.zoo import build
 from nestling.profiler.estimator import training_memory
 from nestling.profiler.planner import device_memory_budget
-from nestling.reparam import ConvSite, affordable_capacity, find_sites
+from nestling.reparam import BRANCHES, ConvSite, affordable_capacity, find_sites
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.spec import SubmodelSpec
 
@@ -118,24 +118,39 @@ class DynamicFL(Strategy):
 
     # -- reports ------------------------------------------------------------------------------
     def round_report(self, round_index: int, accepted: list[tuple[Task, Result]]) -> dict[str, Any]:
-        """Per capacity class: boards, convs expanded (after the round's modulation), grown and cut."""
+        """Per capacity class: boards, convs expanded (after the round's modulation), grown, cut and collapsed.
+
+        The counts are what boards say of themselves: informative only, so a malformed or inflated report is
+        clipped to what the model has (it cannot change the aggregate, which uses the validated weights)."""
         by_class: dict[str, Counter[str]] = defaultdict(Counter)
+        bound = len(self.sites)
         for task, result in accepted:
-            capacity = int(task.hparams.get("capacity", 0))
+            capacity = int(task.hparams.get("capacity", 0))  # the server's own assignment
             label = f"c{capacity}"
-            metrics = result.metrics
             counts = by_class[label]
             counts["boards"] += 1
             for key in ("expanded", "grown", "cut", "collapsed"):
-                counts[key] += int(metrics.get(f"dynamicfl_{key}", 0))
+                counts[key] += _count(result.metrics.get(f"dynamicfl_{key}"), bound * 8)
             self._classes[result.device_id] = label
-            raw = metrics.get("dynamicfl_structure")
-            if isinstance(raw, str):
-                try:
-                    self._structures[result.device_id] = json.loads(raw)
-                except json.JSONDecodeError:
-                    pass  # a report is informative only; the upload itself was validated
+            structure = self._structure_from(result.metrics.get("dynamicfl_structure"))
+            if structure is not None:
+                self._structures[result.device_id] = structure
         return {"dynamicfl": {label: dict(sorted(c.items())) for label, c in sorted(by_class.items())}}
+
+    def _structure_from(self, raw: Any) -> dict[str, list[str]] | None:
+        """A board's reported structure if it names only this model's sites and DBB branches, else None."""
+        if not isinstance(raw, str) or len(raw) > 64 * 1024:
+            return None
+        try:
+            parsed = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+        names = {site.name for site in self.sites}
+        if not isinstance(parsed, dict) or not set(parsed) <= names:
+            return None
+        if not all(isinstance(v, list) and set(map(str, v)) <= set(BRANCHES) for v in parsed.values()):
+            return None
+        return {str(k): sorted(map(str, v)) for k, v in parsed.items()}
 
     def run_summary(self) -> dict[str, Any]:
         """The final structure each board reported, grouped by capacity class, and how often each conv was
@@ -143,9 +158,9 @@ class DynamicFL(Strategy):
         classes: dict[str, dict[str, Any]] = {}
         for device, label in sorted(self._classes.items()):
             entry = classes.setdefault(label, {"boards": 0, "expanded_sites": Counter(), "structures": {}})
-            structure = self._structures.get(device, {})
+            structure = self._structures.get(device)  # None: the board never sent a well-formed structure
             entry["boards"] += 1
-            entry["expanded_sites"].update(structure.keys())
+            entry["expanded_sites"].update((structure or {}).keys())
             entry["structures"][device] = structure
         for entry in classes.values():
             entry["expanded_sites"] = dict(entry["expanded_sites"].most_common())
@@ -158,3 +173,10 @@ class DynamicFL(Strategy):
         super().load_state(tensors, meta)
         self._structures = {k: dict(v) for k, v in meta.get("structures", {}).items()}
         self._classes = dict(meta.get("classes", {}))
+
+
+def _count(value: Any, bound: int) -> int:
+    """A reported count as an int in [0, bound] (0 when it is not a finite number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return 0
+    return int(min(max(value, 0), bound))

@@ -264,3 +264,47 @@ def test_the_device_store_survives_an_agent_restart_with_a_state_file(broker, se
     restarted = Agent(config, data)  # a power cut later: the new process reads the file
     assert set(restarted.store[STORE_KEY]) == set(h)
     assert all(torch.equal(restarted.store[STORE_KEY][k], h[k]) for k in h)
+
+
+def test_a_dynamicfl_structure_survives_an_agent_restart_with_a_state_file(broker, server, tmp_path):
+    """The board's re-parameterised structure ζ_i and salience (METHODS §5.a.6) outlive the agent process."""
+    from nestling.reparam import DynamicState
+
+    config = agent_config_from_dict(
+        {
+            "broker": {"url": broker.url, "fleet": FLEET},
+            "device": {"id": DEVICE, "memory_budget_mb": 48, "state_file": "state/store.safetensors"},
+            "agent": {"heartbeat_s": 0.5},
+        },
+        base=tmp_path,
+    )
+    ctx = StrategyContext(
+        arch="tinycnn",
+        num_classes=10,
+        in_channels=1,
+        image_size=16,
+        num_clients=4,
+        total_rounds=3,
+        local={"local_epochs": 2, "batch_size": 8},
+        options={"capacities": [2]},
+    )
+    task = create_strategy("dynamicfl", ctx).assign(0, [DeviceInfo(DEVICE, 3, 40)])[DEVICE]
+    assert task.hparams["capacity"] == 2
+    data = ClientData(
+        torch.randn(40, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 10
+    )
+    first = Agent(config, data).start()
+    try:
+        server.next("hello")
+        server.announce("s-dyn")
+        for chunk in split_into_chunks("task-dyn", encode_task(task, "s-dyn"), 64 * 1024):
+            server.publish(server.topics.task(DEVICE), chunk)
+        result = server.next_result()
+        assert result.task_id == task.task_id and set(result.weights) == set(task.weights)  # plain upload
+    finally:
+        first.stop()
+    before = DynamicState.from_store(first.store["dynamicfl"])
+    assert len(before.structure) == 2 and before.local_salience
+    after = DynamicState.from_store(Agent(config, data).store["dynamicfl"])
+    assert after.structure == before.structure and after.local_salience == before.local_salience
+    assert after.branches.keys() == before.branches.keys()
