@@ -1,7 +1,8 @@
 """`fedepth`: depth-wise sequential training within a memory budget, partial training and mutual distillation (METHODS §3.a).
 
 Stage j trains its blocks plus the head (plus the stem in stage 0) for the full local budget; earlier
-stages run frozen without autograd, bypassed input-side blocks do not run at all, and a stage ending
+stages run frozen (without autograd unless the stem trains through them), bypassed input-side blocks do
+not run at all, and a stage ending
 before the last block reaches the head through a parameter-free link. With `models` > 1 (m-FeDepth)
 the client also trains persistent auxiliary copies kept in its DeviceStore, each distilled from the
 others; only the downloaded model is uploaded.
@@ -92,9 +93,11 @@ class StageRunner:
 
     def forward(self, x: torch.Tensor, j: int) -> torch.Tensor:
         stage = self.plan.stages[j]
+        # Blocks before the stage hold nothing trainable. Without a trained stem they run without a graph
+        # (nothing saved); with one, the stem's gradient must cross them: the bypassed prefix in stage 1
+        # (§3.a.5, "the stem is still trained in stage 1") and the frozen earlier stages of a ViT (§3.a.9).
         with torch.set_grad_enabled(self.trains_stem(j)):
             z = self.net.stem(x)
-        with torch.no_grad():  # earlier stages are frozen: no graph, nothing saved
             for b in range(stage[0] if stage else 0):
                 if b in self.plan.bypass:
                     # Partial training (§3.a.5): the block does not run. DECISION: a block that changes the

@@ -243,3 +243,55 @@ def test_an_auxiliary_of_another_model_in_the_store_is_replaced_by_a_fresh_one(c
     (peer,) = load_auxiliaries(small, store, 1)
     assert all(peer.state_dict()[k].shape == v.shape for k, v in small.state_dict().items())
     assert "does not fit" in caplog.text
+
+
+# METHODS §3.a.2's r = 1/8 plan: B1–B3 bypassed, stage 1 holds B4 alone (the bypassed prefix ends at a block
+# that does not change the shape, so the stem's output reaches B4 through identities).
+LACK_PAPER_PLAN = StagePlan(((3,), (4,), (5,), (6, 7), (8,)), bypass=(0, 1, 2))
+
+
+def test_the_stem_trains_in_stage_one_after_a_bypassed_prefix() -> None:
+    """§3.a.5: bypassed blocks are crossed by identities, and the stem still learns in stage 1. Running them
+    without autograd cut the graph at the stem's output: no gradient reached the stem."""
+    net = network()
+    initial = snapshot(net)
+    stem_grads: dict[int, list[bool]] = {}
+
+    def observe(j: int, meter: Any, optimizer: torch.optim.Optimizer, params: list) -> None:
+        grad = net.stem.conv.weight.grad
+        stem_grads.setdefault(j, []).append(grad is not None and bool(grad.abs().sum() > 0))
+
+    run_stages([net], LACK_PAPER_PLAN, data(), HP, torch.Generator().manual_seed(0), observe)
+    assert stem_grads[0] == [True] * 3  # every step of stage 1 moves the stem
+    assert all(not any(flags) for j, flags in stem_grads.items() if j > 0)  # and no later stage does
+    final = net.state_dict()
+    assert not torch.equal(final["stem.conv.weight"], initial["stem.conv.weight"])
+    assert not torch.equal(final["stem.bn.weight"], initial["stem.bn.weight"])
+    for key, value in final.items():
+        if key.startswith(("blocks.0.", "blocks.1.", "blocks.2.")):
+            assert torch.equal(value, initial[key]), key  # the bypassed blocks themselves never move
+
+
+def test_a_vit_trains_its_patch_embedding_in_every_stage() -> None:
+    """§3.a.9: every ViT stage trains the patch embedding, so its gradient crosses the frozen earlier blocks."""
+    model = ModelConfig(
+        "vit", num_classes=4, image_size=8, extra={"dim": 16, "depth": 4, "heads": 2, "mlp_dim": 32}
+    )
+    net = network(model)
+    plan = StagePlan(((0, 1), (2, 3)))
+    moved: list[tuple[int, bool]] = []
+    last = snapshot(net)
+
+    def observe(j: int, meter: Any, optimizer: torch.optim.Optimizer, params: list) -> None:
+        nonlocal last
+        state = snapshot(net)
+        moved.append((j, not torch.equal(state["stem.proj.weight"], last["stem.proj.weight"])))
+        if j == 1:  # the frozen blocks of stage 1 stay bit-for-bit
+            frozen = [k for k in state if k.startswith(("blocks.0.", "blocks.1."))]
+            assert frozen and all(torch.equal(state[k], last[k]) for k in frozen)
+        last = state
+
+    run_stages(
+        [net], plan, data(), {**HP, "stem_every_stage": True}, torch.Generator().manual_seed(0), observe
+    )
+    assert moved == [(0, True)] * 3 + [(1, True)] * 3
