@@ -8,6 +8,7 @@ from nestling.server.strategies.depthfl import DepthFL
 from nestling.server.strategies.dynamicfl import DynamicFL
 from nestling.server.strategies.fedavg import FedAvg
 from nestling.server.strategies.fedepth import FeDepth, MFeDepth
+from nestling.server.strategies.fedtrans import FedTrans
 from nestling.server.strategies.fjord import FjORD
 from nestling.server.strategies.heterofl import HeteroFL
 from nestling.server.strategies.nefl import NeFLD, NeFLW, NeFLWD
@@ -24,7 +25,7 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-for _registered in (FeDepth, MFeDepth, DynamicFL):
+for _registered in (FeDepth, MFeDepth, DynamicFL, FedTrans):
     register_strategy(_registered)
 
 
