@@ -4,6 +4,7 @@ never feeds the seed model from a larger one."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ def test_a_short_run_grows_the_family_reports_every_model_and_exports_each_by_id
     assert [b["parent"] for b in births] == [f"m{k}" for k in range(len(births))]  # parent = newest model
     family = summary["method_report"]["fedtrans"]["models"]
     assert len(family) == len(births) + 1
-    assert all(later["macs"] > earlier["macs"] for earlier, later in zip(family, family[1:]))
+    assert all(later["macs"] > earlier["macs"] for earlier, later in itertools.pairwise(family))
     assert family[0]["parent"] is None and family[0]["uploads"] > 0
     assert sum(r["method"]["fedtrans"]["client_macs"] for r in rows) == pytest.approx(
         summary["method_report"]["fedtrans"]["client_macs_total"]
@@ -102,7 +103,7 @@ def test_resume_across_a_transformation_ends_with_the_uninterrupted_weights(tmp_
 
     with pytest.raises(Interrupted):
         run_simulation(cfg, tmp_path / "resumed", on_round=crash_after_round_2)
-    crashed, crashed_manifest = load_checkpoint(latest_checkpoint(tmp_path / "resumed" / "checkpoints"))
+    _, crashed_manifest = load_checkpoint(latest_checkpoint(tmp_path / "resumed" / "checkpoints"))
     run_simulation(cfg, tmp_path / "resumed", resume=True)
     straight, manifest = load_checkpoint(latest_checkpoint(tmp_path / "straight" / "checkpoints"))
     resumed, resumed_manifest = load_checkpoint(latest_checkpoint(tmp_path / "resumed" / "checkpoints"))
