@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from nestling.edge.execution import apply_memory_format, task_precision
-from nestling.edge.procedures import ClientData, DeviceStore
+from nestling.edge.procedures import ClientData, DeviceStore, is_batchable
 from nestling.edge.procedures.common import batches, make_optimizer
 from nestling.edge.trainer import run_task, task_generator
 from nestling.errors import ConfigError
@@ -28,13 +28,12 @@ from nestling.models.zoo import build
 from nestling.simulator.grouped import GroupedClients, groupable, per_client_clip, per_client_cross_entropy
 from nestling.spec import SubmodelSpec
 
-BATCHABLE_PROCEDURES = ("sgd",)
 _HP_PER_CLIENT = ("seed", "label_set")
 
 
 def batch_key(task: Task, num_samples: int) -> tuple[Any, ...] | None:
     """Tasks with equal keys can share one vmapped step (same spec, procedure, shapes, optimiser)."""
-    if task.procedure not in BATCHABLE_PROCEDURES:
+    if not is_batchable(task.procedure):
         return None
     shared = sorted((k, repr(v)) for k, v in task.hparams.items() if k not in _HP_PER_CLIENT)
     return (task.spec_id, task.procedure, task.round, num_samples, tuple(shared))

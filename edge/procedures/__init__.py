@@ -12,8 +12,19 @@ from nestling.edge.procedures.registry import (
     DeviceStore,
     LocalOutcome,
     get_procedure,
+    is_batchable,
     known_procedures,
     register,
+    register_procedure,
 )
 
-__all__ = ["ClientData", "DeviceStore", "LocalOutcome", "get_procedure", "known_procedures", "register"]
+__all__ = [
+    "ClientData",
+    "DeviceStore",
+    "LocalOutcome",
+    "get_procedure",
+    "is_batchable",
+    "known_procedures",
+    "register",
+    "register_procedure",
+]

@@ -11,7 +11,7 @@ from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutc
 from nestling.models.net import ScalableNet
 
 
-@register("sgd")
+@register("sgd", batchable=True)
 def train_sgd(
     model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:

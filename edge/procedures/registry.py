@@ -43,14 +43,30 @@ class LocalOutcome:
 
 Procedure = Callable[[ScalableNet, ClientData, dict[str, Any], DeviceStore, torch.Generator], LocalOutcome]
 _PROCEDURES: dict[str, Procedure] = {}
+_BATCHABLE: set[str] = set()
 
 
-def register(name: str) -> Callable[[Procedure], Procedure]:
+def register(name: str, *, batchable: bool = False) -> Callable[[Procedure], Procedure]:
+    """Register a local procedure under `name`. `batchable`: the simulator's batched trainer
+    (simulator/batched.py) reproduces it exactly, so same-spec clients may share one vmapped step."""
+
     def wrap(fn: Procedure) -> Procedure:
+        if name in _PROCEDURES and _PROCEDURES[name] is not fn:
+            raise ConfigError(f"local procedure '{name}' is registered twice")
         _PROCEDURES[name] = fn
+        if batchable:
+            _BATCHABLE.add(name)
         return fn
 
     return wrap
+
+
+register_procedure = register
+
+
+def is_batchable(name: str) -> bool:
+    """Whether clients running procedure `name` may be trained together by the batched trainer."""
+    return name in _BATCHABLE
 
 
 def get_procedure(name: str) -> Procedure:
