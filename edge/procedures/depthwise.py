@@ -24,8 +24,10 @@ from torch import nn
 from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, step
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.errors import ConfigError
+from nestling.models.config import ModelConfig
 from nestling.models.layers import SlimBatchNorm2d, SlimLayerNorm, SlimLinear
 from nestling.models.net import ScalableNet
+from nestling.models.zoo import build
 from nestling.profiler.decompose import StagePlan
 from nestling.profiler.memory import (
     SavedTensorMeter,
@@ -34,6 +36,7 @@ from nestling.profiler.memory import (
     optimizer_bytes,
     tensor_bytes,
 )
+from nestling.spec import SubmodelSpec
 
 log = logging.getLogger("nestling.procedures")
 
@@ -241,10 +244,31 @@ def measure_stage_peaks(
     return peaks
 
 
-def fresh_auxiliary(model: ScalableNet) -> ScalableNet:
-    """m-FeDepth's auxiliary model: a copy of the downloaded model with norm affines at (1, 0) and zero
-    linear biases (§3.a.7; DECISION: the copy is made at the client's first participation)."""
+def initial_global_state(hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The run's initial global model, rebuilt on the board from the config and seed the server built it from
+    (server/strategies/base.py: `build(full spec)` under `torch.manual_seed(seed)`): no extra download."""
+    info = hp.get("initial_model")
+    if not isinstance(info, dict) or "model" not in info or "seed" not in info:
+        raise ConfigError(
+            "m-FeDepth needs 'initial_model' ({'model': config, 'seed': int}) in the task to start its "
+            f"auxiliary models from the initial global model, got {info!r}"
+        )
+    config = ModelConfig.from_dict(info["model"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(info["seed"]))
+        return build(SubmodelSpec.full(config)).state_dict()
+
+
+def fresh_auxiliary(model: ScalableNet, initial: dict[str, torch.Tensor]) -> ScalableNet:
+    """m-FeDepth's auxiliary model (§3.a.7): a copy of the *initial* global model (not of this round's download,
+    which would make the two models share everything the federation has learnt) with norm affines at (1, 0)
+    and zero linear biases, shaped and placed like `model`."""
+    own = model.state_dict()
+    wrong = [k for k, v in own.items() if k not in initial or initial[k].shape != v.shape]
+    if wrong:
+        raise ConfigError(f"the initial model does not match the task's model at {wrong[:3]}")
     aux = copy.deepcopy(model)
+    aux.load_state_dict({k: initial[k] for k in own}, strict=True)
     with torch.no_grad():
         for module in aux.modules():
             if isinstance(module, (SlimBatchNorm2d, SlimLayerNorm)) and module.weight is not None:
@@ -255,24 +279,28 @@ def fresh_auxiliary(model: ScalableNet) -> ScalableNet:
     return aux
 
 
-def load_auxiliaries(model: ScalableNet, store: DeviceStore, count: int) -> list[ScalableNet]:
-    peers = []
+def load_auxiliaries(
+    model: ScalableNet, store: DeviceStore, count: int, hp: dict[str, Any]
+) -> list[ScalableNet]:
+    """The client's persistent auxiliary models; missing ones (first participation) start afresh."""
+    peers: list[ScalableNet] = []
     shapes = {k: v.shape for k, v in model.state_dict().items()}
+    initial: dict[str, torch.Tensor] | None = None
     for m in range(count):
         saved = store.get(AUX_KEY.format(m))
-        if saved is None:
-            peers.append(fresh_auxiliary(model))
+        if saved is not None and {k: v.shape for k, v in saved.items()} == shapes:
+            peer = copy.deepcopy(model)
+            peer.load_state_dict(saved, strict=True)
+            peers.append(peer)
             continue
-        if {k: v.shape for k, v in saved.items()} != shapes:
+        if saved is not None:
             # Kept from another model (a new run, a restored state file): it cannot distil this one.
             log.warning(
                 "auxiliary model %d in the device store does not fit the task's model: starting afresh", m
             )
-            peers.append(fresh_auxiliary(model))
-            continue
-        peer = copy.deepcopy(model)
-        peer.load_state_dict(saved, strict=True)
-        peers.append(peer)
+        if initial is None:
+            initial = initial_global_state(hp)
+        peers.append(fresh_auxiliary(model, initial))
     return peers
 
 
@@ -284,7 +312,7 @@ def train_fedepth(
     count = int(hp.get("models", 1))
     if count < 1:
         raise ConfigError(f"fedepth needs models >= 1, got {count}")
-    peers = load_auxiliaries(model, store, count - 1)
+    peers = load_auxiliaries(model, store, count - 1, hp)
     losses = run_stages([model, *peers], plan, data, hp, generator)
     for m, peer in enumerate(peers):
         store[AUX_KEY.format(m)] = {k: v.detach().to("cpu").clone() for k, v in peer.state_dict().items()}

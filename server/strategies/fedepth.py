@@ -11,6 +11,7 @@ from nestling.models.config import ModelConfig
 from nestling.models.family import family_of
 from nestling.models.zoo import block_infos
 from nestling.profiler.decompose import (
+    PAPER_WIDTH_MB,
     DepthCosts,
     StagePlan,
     depth_costs,
@@ -19,6 +20,7 @@ from nestling.profiler.decompose import (
 )
 from nestling.profiler.estimator import estimate
 from nestling.profiler.planner import device_memory_budget
+from nestling.server.strategies.fedepth_paper import paper_plan
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.spec import SubmodelSpec
 
@@ -54,7 +56,8 @@ def budget_ratios(option: Any) -> tuple[float, ...]:
 
 class FeDepth(Strategy):
     """Plans come from the greedy decomposition of each client's budget over the run's per-block training
-    memory (estimated, or measured on this machine with `memory = "measure"`). Aggregation is FedAvg over
+    memory (estimated, or measured on this machine with `memory = "measure"`), or with `plan = "paper"` from
+    the paper's own PreResNet-20 table (the stages METHODS §3.a.2 lists). Aggregation is FedAvg over
     every tensor (n_k weights, §3.a.6); bypassed blocks are averaged with the client's unchanged copy
     unless `aggregate_bypassed = false`."""
 
@@ -73,6 +76,7 @@ class FeDepth(Strategy):
         "max_models": 1,
         "kd_weight": 1.0,
         "mutual_depthwise": False,
+        "plan": "memory",
     }
 
     def make_model_config(self) -> ModelConfig:
@@ -88,7 +92,11 @@ class FeDepth(Strategy):
         return model
 
     def setup(self) -> None:
-        for key, allowed in (("memory", ("estimate", "measure")), ("stage_steps", ("full", "split"))):
+        for key, allowed in (
+            ("memory", ("estimate", "measure")),
+            ("stage_steps", ("full", "split")),
+            ("plan", ("memory", "paper")),
+        ):
             if self.options[key] not in allowed:
                 raise ConfigError(
                     f"[method] {self.name} {key} must be one of {allowed}, got '{self.options[key]}'"
@@ -106,9 +114,14 @@ class FeDepth(Strategy):
         self.costs = self._cost_table()
         self.ratio_bytes = {r: self._width_bytes(r) for r in self.ratios}
         self._plans: dict[int, tuple[StagePlan, int]] = {}
+        self._paper_plans: dict[float, tuple[StagePlan, int]] = {}
+        self._paper_bytes: dict[float, int] = {}
         for r, budget in self.ratio_bytes.items():
             try:
-                self.plan_for_budget(budget)
+                if self.options["plan"] == "paper":
+                    self.paper_plan_for(r)
+                else:
+                    self.plan_for_budget(budget)
             except ConfigError as exc:
                 raise ConfigError(
                     f"[method] {self.name}: budget ×{r:g} ({budget / 2**20:.1f} MiB): {exc}"
@@ -177,8 +190,40 @@ class FeDepth(Strategy):
         own = device_memory_budget(device.memory_budget_bytes, device.profile)
         return own if own is not None else self.ratio_bytes[self.ratios[self.tier_of(device)]]
 
+    def paper_plan_for(self, ratio: float) -> tuple[StagePlan, int]:
+        """`plan = "paper"`: the paper's stages for budget ×ratio (server/strategies/fedepth_paper.py)."""
+        if ratio not in self._paper_plans:
+            self._paper_plans[ratio] = paper_plan(
+                self.model.arch,
+                ratio,
+                self.tolerance,
+                self.max_models,
+                bool(self.options["mutual_depthwise"]),
+            )
+        return self._paper_plans[ratio]
+
+    def paper_ratio_of(self, device: DeviceInfo) -> float:
+        """The device's tier ratio; a device's own budget picks the largest of the paper's width budgets
+        (×1/8 … ×1, or whole models ×2 … ×max_models) whose R(r) it holds."""
+        tier_ratio = self.ratios[self.tier_of(device)]
+        budget = self.budget_of(device)
+        if budget == self.ratio_bytes[tier_ratio]:
+            return tier_ratio
+        if not self._paper_bytes:
+            ratios = [*PAPER_WIDTH_MB, *(float(m) for m in range(2, self.max_models + 1))]
+            self._paper_bytes = {r: self._width_bytes(r) for r in ratios}
+        held = [r for r, need in self._paper_bytes.items() if need <= budget * (1.0 + self.tolerance)]
+        if not held:
+            raise ConfigError(
+                f"budget {budget / 2**20:.1f} MiB holds none of the FeDepth paper's width budgets "
+                f"(×1/8 needs {min(self._paper_bytes.values()) / 2**20:.1f} MiB)"
+            )
+        return max(held)
+
     def plan_for(self, device: DeviceInfo) -> tuple[StagePlan, int]:
         try:
+            if self.options["plan"] == "paper":
+                return self.paper_plan_for(self.paper_ratio_of(device))
             return self.plan_for_budget(self.budget_of(device))
         except ConfigError as exc:
             raise ConfigError(f"device {device.device_id}: {exc}") from None
@@ -206,6 +251,8 @@ class FeDepth(Strategy):
             stem_every_stage=self.stem_every_stage,
             tier=self.tier_of(device),
         )
+        if models > 1:  # m-FeDepth: the board rebuilds the initial global model for its auxiliaries (§3.a.7)
+            hp["initial_model"] = {"model": self.model.to_dict(), "seed": self.ctx.seed}
         return hp
 
     def aggregation_weight(self, result: Result) -> float:

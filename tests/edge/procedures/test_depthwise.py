@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from nestling.edge.procedures import ClientData, DeviceStore, get_procedure
 from nestling.edge.procedures.depthwise import AUX_KEY, fresh_auxiliary, mutual_loss, run_stages, skip_link
+from nestling.errors import ConfigError
 from nestling.models import ModelConfig, build
 from nestling.models.net import ScalableNet
 from nestling.profiler.decompose import StagePlan
@@ -196,29 +197,60 @@ def trained_looking() -> ScalableNet:
     return net
 
 
+INITIAL = {"model": MODEL.to_dict(), "seed": 0}  # network() builds the initial model under this seed
+
+
 def test_the_auxiliary_model_persists_on_the_device_and_only_model_one_is_uploaded() -> None:
     """Invariant 6 (second half)."""
     store = DeviceStore()
     net = trained_looking()
-    downloaded = snapshot(net)
-    outcome = fedepth(net, StagePlan((tuple(range(9)),)), store, models=2)
+    outcome = fedepth(net, StagePlan((tuple(range(9)),)), store, models=2, initial_model=INITIAL)
     assert outcome.model is net and outcome.extra["models"] == 2
     aux = store[AUX_KEY.format(0)]
-    fresh = fresh_auxiliary(trained_looking()).state_dict()
-    assert torch.equal(fresh["blocks.0.conv1.weight"], downloaded["blocks.0.conv1.weight"])
-    assert torch.equal(fresh["head.norm.weight"], torch.ones_like(fresh["head.norm.weight"]))
-    assert not fresh["head.fc.bias"].any() and not fresh["blocks.3.bn1.bias"].any()
+    fresh = fresh_auxiliary(network(), network().state_dict()).state_dict()
     assert not torch.equal(aux["blocks.0.conv1.weight"], fresh["blocks.0.conv1.weight"])  # it trained
     assert not torch.equal(aux["head.fc.weight"], net.state_dict()["head.fc.weight"])  # a different model
     # Next participation: the stored model is the starting point (lr 0 keeps it exactly).
-    fedepth(network(), StagePlan((tuple(range(9)),)), store, models=2, lr=0.0)
+    fedepth(network(), StagePlan((tuple(range(9)),)), store, models=2, lr=0.0, initial_model=INITIAL)
     for key, value in store[AUX_KEY.format(0)].items():
         assert torch.equal(value, aux[key]), key
 
 
+def test_the_auxiliary_model_starts_as_the_initial_global_model_not_the_download() -> None:
+    """§3.a.7: a client first sampled after round 0 downloads a trained model; its auxiliary peer is the run's
+    initial model (rebuilt from the config and seed) with norm affines (1, 0) and zero linear biases, so the
+    two models start apart and distil from each other from the first step. A copy of the download shared
+    its convolutions: the distillation only saw the reset affines."""
+    store = DeviceStore()
+    downloaded = trained_looking()
+    with torch.no_grad():  # what the federation learnt so far, in the convolutions too
+        for p in downloaded.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    initial = network().state_dict()
+    fedepth(downloaded, StagePlan((tuple(range(9)),)), store, models=2, lr=0.0, initial_model=INITIAL)
+    aux = store[AUX_KEY.format(0)]
+    for key, value in aux.items():
+        if key.endswith(("bn1.weight", "bn2.weight", "bn.weight", "norm.weight")):
+            assert torch.equal(value, torch.ones_like(value)), key
+        elif key.endswith(("bn1.bias", "bn2.bias", "bn.bias", "norm.bias", "fc.bias")):
+            assert not value.any(), key
+        else:
+            assert torch.equal(value, initial[key]), key  # the initial model's weights, not the download's
+    x, y = data().x, data().y
+    logits = [downloaded(x), fresh_auxiliary(downloaded, initial)(x)]
+    total, _ = mutual_loss(logits, y, {})
+    distillation = total - F.cross_entropy(logits[0], y) - F.cross_entropy(logits[1], y)
+    assert distillation > 0.01  # the first step already distils
+
+
+def test_m_fedepth_without_the_initial_model_is_refused() -> None:
+    with pytest.raises(ConfigError, match="initial_model"):
+        fedepth(network(), StagePlan((tuple(range(9)),)), DeviceStore(), models=2)
+
+
 def test_two_models_distil_depth_wise_too() -> None:
     store = DeviceStore()
-    outcome = fedepth(network(), THREE_STAGES, store, models=2)
+    outcome = fedepth(network(), THREE_STAGES, store, models=2, initial_model=INITIAL)
     assert outcome.steps == 9 and AUX_KEY.format(0) in store
     assert all(torch.isfinite(torch.tensor(outcome.losses)))
 
@@ -240,7 +272,8 @@ def test_an_auxiliary_of_another_model_in_the_store_is_replaced_by_a_fresh_one(c
     small = build(SubmodelSpec(ModelConfig("tinycnn", in_channels=1, image_size=16)))
     other = build(SubmodelSpec(ModelConfig("tinycnn", in_channels=3, image_size=16)))
     store = DeviceStore({AUX_KEY.format(0): {k: v.clone() for k, v in other.state_dict().items()}})
-    (peer,) = load_auxiliaries(small, store, 1)
+    initial = {"model": ModelConfig("tinycnn", in_channels=1, image_size=16).to_dict(), "seed": 0}
+    (peer,) = load_auxiliaries(small, store, 1, {"initial_model": initial})
     assert all(peer.state_dict()[k].shape == v.shape for k, v in small.state_dict().items())
     assert "does not fit" in caplog.text
 
