@@ -16,6 +16,7 @@ from nestling.edge.procedures.registry import (
     known_procedures,
     register,
     register_procedure,
+    unregister_procedure,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "known_procedures",
     "register",
     "register_procedure",
+    "unregister_procedure",
 ]

@@ -64,6 +64,12 @@ def register(name: str, *, batchable: bool = False) -> Callable[[Procedure], Pro
 register_procedure = register
 
 
+def unregister_procedure(name: str) -> None:
+    """Forget procedure `name` (tests and plugins that define one for a while)."""
+    _PROCEDURES.pop(name, None)
+    _BATCHABLE.discard(name)
+
+
 def is_batchable(name: str) -> bool:
     """Whether clients running procedure `name` may be trained together by the batched trainer."""
     return name in _BATCHABLE
