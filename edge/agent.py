@@ -19,10 +19,11 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import torch
 
-from nestling.edge.agent_config import AgentConfig
+from nestling.edge.agent_config import AgentConfig, state_dir
 from nestling.edge.emulation import EmulationTarget, TaskPacer
 from nestling.edge.monitor import ResourceMonitor
 from nestling.edge.procedures import ClientData, DeviceStore
+from nestling.edge.self_profile import CACHE_NAME, ProfileInputs, board_profile
 from nestling.edge.store_state import load_store_file, save_store_file
 from nestling.edge.trainer import run_task
 from nestling.errors import NestlingError, WireError
@@ -38,6 +39,9 @@ from nestling.fleet_messages import (
 )
 from nestling.fleet_transfers import Inbound, Outbound
 from nestling.messages import Result, Task
+from nestling.profiler.board_profile import BoardProfile
+from nestling.profiler.estimator import estimate
+from nestling.spec import SubmodelSpec
 from nestling.wire.codec import CHUNK_KIND, CHUNK_REQUEST_KIND, decode_message, read_header
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
 
@@ -96,6 +100,12 @@ class Agent:
             if emulation is None
             else TaskPacer(emulation, tuple(data.x.shape[1:]), sleep=self._stop.wait)
         )
+        # The measured profile of the fleet's model (edge/self_profile.py), the key it was made for, whether a
+        # measurement is under way (the server waits for it), and a memory ceiling an out-of-memory lowered.
+        self.board: BoardProfile | None = None
+        self._profile_key: str | None = None
+        self._profiling = bool(config.device.profile)
+        self._memory_cap: int | None = None
         self._chunks_from: dict[str, float] = {}  # task transfer id → when its first chunk arrived
         self._task_received: dict[str, float] = {}  # queued task id → when its first frame arrived
         self.client = config.broker.client(
@@ -119,8 +129,18 @@ class Agent:
         }
         if device.tier is not None:  # pinned: strategies size by budget first, so the budget stays home
             profile["tier"] = device.tier
-        elif device.memory_budget_mb is not None:
-            profile["memory_budget_bytes"] = int(device.memory_budget_mb * 1024 * 1024)
+        elif device.memory_budget_mb is not None:  # a hand-set budget wins over what the board measured
+            budget = int(device.memory_budget_mb * 1024 * 1024)
+            profile["memory_budget_bytes"] = (
+                budget if self._memory_cap is None else min(budget, self._memory_cap)
+            )
+        if device.profile:
+            profile["profiling"] = self._profiling
+        if self.board is not None:
+            board = self.board.to_dict()
+            if self._memory_cap is not None:
+                board["memory_bytes"] = min(board["memory_bytes"], self._memory_cap)
+            profile["board_profile"] = board
         export = self.config.export.advertised()
         if export is not None:  # asks the server for the final model of its submodel when the run ends
             profile["export"] = export
@@ -226,9 +246,12 @@ class Agent:
             log.warning("the server went offline; waiting for it to come back")
             return
         status = decode_server_status(payload)
+        greet = self._profile_for(status.plan)
         if status.session != self.server_session:  # a server process we have not greeted yet
             self.server_session = status.session
             log.info("new server session %s: registering again", status.session)
+            greet = True
+        if greet:
             self._say_hello()
         sent = self._sent
         if (
@@ -237,6 +260,54 @@ class Agent:
             and (sent.round, sent.session) == (status.round, status.session)
         ):
             self._resend(sent)  # the server re-announced the round we answered: our result may have been lost
+
+    def _profile_for(self, plan: dict[str, Any] | None) -> bool:
+        """Have a profile of the model the server announced: the cached one, else measure it (in the
+        background; the hello says `profiling` meanwhile, so the server does not count this board yet).
+        True when the server must hear a new hello."""
+        device = self.config.device
+        if not device.profile:
+            return False
+        if plan is None:  # the server plans nothing from profiles: do not keep it waiting
+            was, self._profiling = self._profiling, False
+            return was
+        emulate = (
+            None
+            if self.emulation is None
+            else self.emulation.name
+            + (f"/{self.emulation.trace_device}" if self.emulation.trace_device else "")
+        )
+        inputs = ProfileInputs(
+            plan["spec"], plan["batch"], device.torch_device, device.profile_margin, emulate
+        )
+        key = inputs.key()
+        if key == self._profile_key:
+            return False
+        self._profile_key, self._profiling = key, True
+        threading.Thread(target=self._measure, args=(inputs,), name="agent-profile", daemon=True).start()
+        return True
+
+    def _measure(self, inputs: ProfileInputs) -> None:
+        cache = state_dir(self.config) / CACHE_NAME
+        try:
+            board, fresh = board_profile(
+                inputs, cache, self.emulation, repeats=self.config.device.profile_repeats
+            )
+            self.board = board
+            log.info(
+                "%s profile of %s at batch %d (%s): %.0f MB for training, %.1f GFLOP/s, step %.1f ms",
+                "measured" if fresh else "cached",
+                board.arch,
+                board.batch,
+                board.source,
+                board.memory_bytes / 1e6,
+                board.gflops,
+                board.step_s * 1000,
+            )
+        except Exception:  # a profile the board cannot make: the server sizes it as before
+            log.exception("could not profile the fleet's model")
+        self._profiling = False
+        self._say_hello()
 
     def _resend(self, sent: SentResult) -> None:
         """Publish a result again (after a broker outage); the server applies a result once, whatever arrives."""
@@ -336,12 +407,16 @@ class Agent:
         except NestlingError as exc:  # an impossible spec, an unknown procedure: the round goes on without us
             log.error("task %s refused: %s", task.task_id, exc)
             return
+        except (torch.OutOfMemoryError, MemoryError) as exc:  # sized down, not dropped: tell the server
+            self._memory_pressure(task, exc)
+            return
         except Exception:  # out of memory, a procedure's bug: keep serving later rounds
             log.exception("task %s failed", task.task_id)
             return
         finally:
             self.state, self._training = "online", None
         trained = time.monotonic()
+        result.metrics["train_wall_s"] = trained - started  # what the board took (padded when emulating)
         self._save_store()
         payload = encode_result(result, session)
         frames = self.outbound.frames(payload, "server")
@@ -361,6 +436,22 @@ class Agent:
             result.metrics.get("loss_mean"),
         )
         self._heartbeat()
+
+    def _memory_pressure(self, task: Task, exc: BaseException) -> None:
+        """An out-of-memory failure: cap what this board says training may use below the submodel that
+        failed, and say hello again, so the server plans a smaller one from the next round on."""
+        spec = SubmodelSpec.from_dict(task.spec)
+        batch = int(task.hparams.get("batch_size", self.board.batch if self.board else 32))
+        needed = estimate(spec, batch).training_bytes
+        cap = int(needed * 0.9)
+        self._memory_cap = cap if self._memory_cap is None else min(cap, self._memory_cap)
+        log.error(
+            "task %s ran out of memory (%s): telling the server to plan under %.1f MB",
+            task.task_id,
+            type(exc).__name__,
+            self._memory_cap / 1e6,
+        )
+        self._say_hello()
 
     def _store_owner(self) -> str:
         return f"{self.config.broker.fleet}/{self.device_id}"

@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,16 @@ def load_client_data(section: DataSection) -> ClientData:
 
 
 def resolve_emulation(device: DeviceSection) -> EmulationTarget | None:
+    """The board `[device] emulate` / `emulate_trace` + `emulate_device` name (with its injected
+    `emulate_slowdown`), or None (no emulation)."""
+    target = _emulated_board(device)
+    if target is None:
+        return None
+    windows = tuple((int(a), int(b), float(f)) for a, b, f in device.emulate_slowdown)
+    return replace(target, slowdown=windows) if windows else target
+
+
+def _emulated_board(device: DeviceSection) -> EmulationTarget | None:
     """The board `[device] emulate` / `emulate_trace` + `emulate_device` name, or None (no emulation).
 
     The board catalogue and the trace format are the profiler's (read lazily: an agent that does not

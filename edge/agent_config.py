@@ -30,6 +30,14 @@ class DeviceSection:
     # Where the procedures' per-device state (m-FeDepth's auxiliary models, FedDyn's h_k) survives an agent
     # restart or a power cut, relative to this file; unset: it lives in memory only.
     state_file: str | None = None
+    # The board measures the fleet's model on first start (edge/self_profile.py) and caches the result in
+    # its state folder (state_dir, else the state_file's folder, else state/ beside agent.toml).
+    profile: bool = True
+    profile_margin: float = 0.2  # share of the available memory training must leave free
+    profile_repeats: int = 3
+    state_dir: str | None = None
+    # Emulation only: [[first_round, end_round, factor], ...] trains `factor` times slower in those rounds.
+    emulate_slowdown: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +94,8 @@ def agent_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Agen
         config.data.root = str(base / config.data.root)  # relative to the config file (absolute stays)
     if config.device.state_file is not None:
         config.device.state_file = str(base / config.device.state_file)
+    if config.device.state_dir is not None:
+        config.device.state_dir = str(base / config.device.state_dir)
     if config.device.emulate_trace is not None:
         config.device.emulate_trace = str(base / config.device.emulate_trace)
     d, a = config.data, config.agent
@@ -95,6 +105,19 @@ def agent_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Agen
             "[device] memory_budget_mb must be > 0",
         ),
         (config.device.threads >= 1, "[device] threads must be >= 1"),
+        (0.0 <= config.device.profile_margin < 0.95, "[device] profile_margin must lie in [0, 0.95)"),
+        (1 <= config.device.profile_repeats <= 100, "[device] profile_repeats must lie in [1, 100]"),
+        (
+            all(
+                isinstance(w, list)
+                and len(w) == 3
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in w)
+                and 0 <= w[0] < w[1]
+                and w[2] > 0
+                for w in config.device.emulate_slowdown
+            ),
+            "[device] emulate_slowdown must be a list of [first_round, end_round, factor > 0]",
+        ),
         (
             config.device.emulate is None or config.device.emulate_trace is None,
             "[device] emulate (a board class) and emulate_trace (a trace device) exclude each other",
@@ -114,6 +137,19 @@ def agent_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Agen
         if not ok:
             raise ConfigError(message)
     return config
+
+
+def state_dir(config: AgentConfig) -> Path:
+    """Where the board keeps its state (the measured profile): state_dir, the state_file's folder, `state/`
+    beside agent.toml, or (a config built in code) a per-fleet, per-device folder under ~/.cache/nestling."""
+    device = config.device
+    if device.state_dir is not None:
+        return Path(device.state_dir)
+    if device.state_file is not None:
+        return Path(device.state_file).parent
+    if config.path is not None:
+        return config.path.parent / "state"
+    return Path.home() / ".cache" / "nestling" / config.broker.fleet / device.id
 
 
 def load_agent_config(path: Path) -> AgentConfig:

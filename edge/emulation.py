@@ -67,18 +67,37 @@ class EmulationTarget:
     name: str
     figures: SpeedFigures
     trace_device: str | None = None  # set when the figures come from one device of a trace
+    memory_bytes: int | None = None  # the board's training memory (its profile reports it)
+    # Injected slowdowns ([device] emulate_slowdown): (first round, round after the last, factor) — a board
+    # that throttles or shares its CPU for a while, to watch the server re-plan it.
+    slowdown: tuple[tuple[int, int, float], ...] = ()
 
     @classmethod
     def of_board(cls, board: Any) -> EmulationTarget:
         """A catalogue class (profiler.catalogue.BoardClass)."""
         return cls(
-            board.name, SpeedFigures(board.sustained_gflops, board.up_bps, board.down_bps, board.latency_s)
+            board.name,
+            SpeedFigures(board.sustained_gflops, board.up_bps, board.down_bps, board.latency_s),
+            memory_bytes=int(board.memory_budget_bytes),
         )
 
     @classmethod
     def of_trace(cls, trace: Any) -> EmulationTarget:
         """One device of a trace (profiler.traces.DeviceTrace) with its own sampled figures."""
-        return cls(trace.device_class, SpeedFigures.from_trace(trace), trace.device_id)
+        return cls(
+            trace.device_class,
+            SpeedFigures.from_trace(trace),
+            trace.device_id,
+            memory_bytes=int(trace.memory_budget_bytes),
+        )
+
+    def slowdown_at(self, round_index: int) -> float:
+        """How much slower than its figures the board trains in this round (1 outside every slowdown)."""
+        factor = 1.0
+        for first, end, times in self.slowdown:
+            if first <= round_index < end:
+                factor *= times
+        return factor
 
     def describe(self) -> dict[str, Any]:
         """What the agent's hello advertises (the server logs it and lists it in summary.json)."""
@@ -166,7 +185,7 @@ class TaskPacer:
             measured
             if measured is not None
             else self.device.compute_seconds(task_training_flops(task, num_samples, self.macs))
-        )
+        ) * self.target.slowdown_at(task.round)
         record.compute_s, record.measured_compute_s = target, measured_s
         self._paced(record, lambda: self.device.pad_to(target, measured_s))
         return record

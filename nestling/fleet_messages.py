@@ -198,12 +198,34 @@ class ServerStatus:
     session: str
     phase: str
     round: int | None
+    # What boards should profile: {"spec": the full model's SubmodelSpec dict, "batch": local batch size}.
+    plan: dict[str, Any] | None = None
+
+
+MAX_PLAN_BATCH = 65536
 
 
 def encode_server_status(status: ServerStatus) -> bytes:
-    return encode_message(
-        SERVER_STATUS, {"round": status.round, "meta": {"session": status.session, "phase": status.phase}}
-    )
+    meta: dict[str, Any] = {"session": status.session, "phase": status.phase}
+    if status.plan is not None:
+        meta["plan"] = status.plan
+    return encode_message(SERVER_STATUS, {"round": status.round, "meta": meta})
+
+
+def _plan(meta: dict[str, Any]) -> dict[str, Any] | None:
+    plan = meta.get("plan")
+    if plan is None:
+        return None
+    batch = plan.get("batch") if isinstance(plan, dict) else None
+    if (
+        not isinstance(plan, dict)
+        or not isinstance(plan.get("spec"), dict)
+        or isinstance(batch, bool)
+        or not isinstance(batch, int)
+        or not 1 <= batch <= MAX_PLAN_BATCH
+    ):
+        raise WireError(f"server status 'plan' must be {{spec: object, batch: 1..{MAX_PLAN_BATCH}}}")
+    return {"spec": plan["spec"], "batch": batch}
 
 
 def decode_server_status(payload: bytes) -> ServerStatus:
@@ -212,7 +234,7 @@ def decode_server_status(payload: bytes) -> ServerStatus:
     phase = meta.get("phase")
     if phase not in SERVER_PHASES:
         raise WireError(f"server phase must be one of {SERVER_PHASES}, got {phase!r:.40}")
-    return ServerStatus(_short(meta, "session"), phase, message.round)
+    return ServerStatus(_short(meta, "session"), phase, message.round, _plan(meta))
 
 
 def encode_rehello(session: str) -> bytes:

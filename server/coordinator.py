@@ -92,6 +92,10 @@ class RoundRecord:
     method: dict[str, Any] = field(
         default_factory=dict
     )  # what the strategy reports of the round (round_report)
+    # Profiled boards (profiler/fit.py): each one's spec, why, predicted and observed local training time and
+    # speed factor; and the boards whose sizing changed this round. Left out of metrics.jsonl when empty.
+    plans: dict[str, dict[str, Any]] = field(default_factory=dict)
+    replans: list[dict[str, Any]] = field(default_factory=list)
 
 
 def tensor_bytes(tensors: dict) -> int:
@@ -172,9 +176,14 @@ class Coordinator:
         self._registered = {d.device_id: d for d in selected}
         self._updates, self._judged, self._non_finite = {}, set(), set()
         tasks = self.strategy.assign(round_index, selected)
+        plans, replans = self.strategy.plan_report(round_index, selected, tasks)
         dispatched_at = self.clock.now()
         self.transport.dispatch(list(tasks.values()))
         accepted, collect_seconds = self._collect(round_index, tasks, counters)
+        if plans:
+            self.strategy.observe_training(
+                plans, _observed(plans, accepted, self.clock.now() - dispatched_at)
+            )
         screen_started = time.perf_counter()
         accepted = self._screen_round(round_index, accepted, counters)
         self.aggregate_seconds += time.perf_counter() - screen_started
@@ -216,6 +225,8 @@ class Coordinator:
             rolled_back=rolled_back,
             quarantined=quarantined,
             method=self.strategy.round_report(round_index, accepted if aggregated else []),
+            plans=plans,
+            replans=replans,
         )
         if self._is_eval_round(round_index):
             self.last_eval = (
@@ -442,8 +453,12 @@ class Coordinator:
         if self.out_dir is None:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        line = asdict(record)
+        for key in ("plans", "replans"):  # runs without profiled boards keep their metrics as they were
+            if not line[key]:
+                del line[key]
         with (self.out_dir / "metrics.jsonl").open("a") as fh:
-            fh.write(json.dumps(asdict(record)) + "\n")
+            fh.write(json.dumps(line) + "\n")
         last = round_index == self.policy.rounds - 1
         if last or (
             self.policy.checkpoint_every > 0 and (round_index + 1) % self.policy.checkpoint_every == 0
@@ -493,6 +508,22 @@ def _has_non_finite(tensors: dict[str, torch.Tensor]) -> bool:
         return any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values())
     except (TypeError, AttributeError, RuntimeError):
         return False
+
+
+def _observed(
+    plans: dict[str, dict[str, Any]], accepted: list[tuple[Task, Result]], elapsed: float
+) -> dict[str, tuple[float, bool]]:
+    """Each planned board's local training seconds: what its result reports (an emulated board's padded
+    time, `train_wall_s`, else `train_seconds`), or, without a result, the round's length as a lower bound."""
+    observed: dict[str, tuple[float, bool]] = {}
+    for _, result in accepted:
+        seconds = result.metrics.get("train_wall_s", result.metrics.get("train_seconds"))
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds):
+            observed[result.device_id] = (float(seconds), False)
+    for device_id in plans:
+        if device_id not in observed and elapsed > 0:
+            observed[device_id] = (float(elapsed), True)
+    return observed
 
 
 def _mean(values: list[Any]) -> float | None:

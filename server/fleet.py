@@ -58,6 +58,7 @@ def make_strategy(cfg: FleetConfig, num_classes: int, input_shape: tuple[int, in
         local=cfg.run.train.local_hparams(),
         options=dict(cfg.run.method.options),
         model_extra=dict(cfg.run.model.extra),
+        deadline_s=run.deadline_s,  # boards that sent a measured profile are sized to fit it
     )
     return create_strategy(cfg.run.method.name, ctx)
 
@@ -121,6 +122,8 @@ def run_fleet(
     clock = WallClock()
     client = cfg.broker.client(f"nestling-{topics.fleet}-server", will=(topics.server_status, OFFLINE, True))
     transport = MqttTransport(client, topics, registry, clock, transport_settings(cfg))
+    # Boards measure this run's full model at its batch size (edge/self_profile.py) before they count as ready.
+    transport.plan = {"spec": strategy.full_spec.to_dict(), "batch": strategy.batch_size}
     evaluator = Evaluator(
         bundle.test.x, bundle.test.y, batch_size=run.eval_batch, device=run.device, calibration=bundle.train.x
     )

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import paho.mqtt.client as mqtt
 
@@ -104,6 +105,7 @@ class MqttTransport:
         self.trained_by: dict[str, set[str]] = {}  # spec id → devices whose results of it were accepted
         self.current_round: int | None = None
         self.phase = "waiting"
+        self.plan: dict[str, Any] | None = None  # what boards profile (ServerStatus.plan), set by the fleet
         # topic, payload, arrival, retained flag
         self._inbox: queue.SimpleQueue[tuple[str, bytes, float, bool]] = queue.SimpleQueue()
         self._tasks: dict[str, Dispatched] = {}
@@ -162,7 +164,7 @@ class MqttTransport:
         self._publish_status()
 
     def _publish_status(self) -> None:
-        payload = encode_server_status(ServerStatus(self.session, self.phase, self.current_round))
+        payload = encode_server_status(ServerStatus(self.session, self.phase, self.current_round, self.plan))
         self._status_sent = self.client.publish(self.topics.server_status, payload, qos=QOS, retain=True)
 
     def close(self) -> None:

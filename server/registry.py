@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import WireError
+from nestling.profiler.board_profile import BoardProfile, ProfileError, parse_board_profile
 from nestling.server.strategies.base import DeviceInfo
 
 log = logging.getLogger("nestling.registry")
@@ -53,6 +54,16 @@ def _labels(profile: dict[str, Any]) -> tuple[int, ...] | None:
     ):
         raise WireError("hello field 'labels' must be a list of class indices")
     return tuple(sorted(set(labels)))
+
+
+def _board(profile: dict[str, Any]) -> BoardProfile | None:
+    """The hello's measured profile summary, checked field by field (rejected as `bad_profile`)."""
+    if profile.get("board_profile") is None:
+        return None
+    try:
+        return parse_board_profile(profile["board_profile"])
+    except ProfileError as exc:
+        raise WireError(f"hello {exc}", reason="bad_profile") from None
 
 
 def emulated_class(profile: dict[str, Any] | None) -> str | None:
@@ -126,6 +137,9 @@ class DeviceRegistry:
         budget = _optional_int(profile, "memory_budget_bytes", 1)
         wanted = _optional_int(profile, "index", 0)
         labels = _labels(profile)
+        board = _board(profile)
+        if not isinstance(profile.get("profiling", False), bool):
+            raise WireError("hello field 'profiling' must be true or false", reason="bad_profile")
         info = DeviceInfo(
             device_id,
             self._index_for(device_id, wanted),
@@ -133,6 +147,7 @@ class DeviceRegistry:
             profile=profile,
             memory_budget_bytes=budget,
             labels=labels,
+            board=board,
         )
         previous = self.records.get(device_id)
         self.records[device_id] = DeviceRecord(info, online=True, last_seen=now)
@@ -183,4 +198,7 @@ class DeviceRegistry:
         return stale
 
     def available(self) -> list[DeviceInfo]:
-        return [r.info for r in self.records.values() if r.online]
+        """Online devices, except those still measuring their profile (their hello says `profiling`)."""
+        return [
+            r.info for r in self.records.values() if r.online and not (r.info.profile or {}).get("profiling")
+        ]

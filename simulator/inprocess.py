@@ -124,6 +124,11 @@ class InProcessTransport:
         self.pending = self.pending[taken:]
         if due:
             delivery.results = self.backend.run([task for _, _, task in due])
+            if self.fleet is not None:  # the board's training time is the replay's, not this host's
+                planned = {task.task_id: event.compute_s for _, event, task in due if event.compute_s > 0}
+                for result in delivery.results:
+                    if result.task_id in planned:
+                        result.metrics["train_wall_s"] = planned[result.task_id]
             if self.tamper is not None:
                 by_id = {task.task_id: task for _, _, task in due}
                 delivery.results = [self.tamper(by_id[r.task_id], r) for r in delivery.results]

@@ -17,7 +17,10 @@ from nestling.eval_target import EvalTarget
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
+from nestling.profiler.board_profile import BoardProfile
+from nestling.profiler.fit import PINNED, Fit, SpeedFeedback, fit_member
 from nestling.profiler.planner import device_memory_budget, member_for_budget
+from nestling.profiler.speed import samples_trained
 from nestling.schedule import LrSchedule
 from nestling.slicing import check_result_tensors, extract, slices_for
 from nestling.spec import SubmodelSpec
@@ -33,6 +36,7 @@ class DeviceInfo:
     profile: dict[str, Any] | None = None
     memory_budget_bytes: int | None = None
     labels: tuple[int, ...] | None = None  # classes present in the device's data (HeteroFL masking)
+    board: BoardProfile | None = None  # what the board measured (its hello's board_profile, validated)
 
 
 @dataclass
@@ -53,6 +57,10 @@ class StrategyContext:
     options: dict[str, Any] = field(default_factory=dict)  # method-specific ([method] table)
     model_extra: dict[str, Any] = field(default_factory=dict)
     dataset: str | None = None  # the run's dataset, recorded so exports know normalisation and class names
+    # The round deadline and the share of it local training may take (the rest: transfers, the server's work):
+    # boards with a measured profile get the largest submodel predicted to train within it (profiler/fit.py).
+    deadline_s: float | None = None
+    train_share: float = 0.7
 
     def model_config(self, **overrides: Any) -> ModelConfig:
         """The run's model for a method. The trainable per-block step size is NeFL's own (METHODS §2.a): NeFL
@@ -114,6 +122,8 @@ class Strategy(ABC):
     # ScaleFL uploads only tensors that received a gradient; every other method must upload its whole slice.
     partial_uploads: ClassVar[bool] = False
     option_defaults: ClassVar[dict[str, Any]] = {}
+    # What a profiled board's plan says when the method does not size it with `fit_by_budget`.
+    sizing_reason: ClassVar[str] = "not sized"
 
     def __init__(self, ctx: StrategyContext) -> None:
         unknown = set(ctx.options) - set(self.option_defaults)
@@ -129,6 +139,9 @@ class Strategy(ABC):
         with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG stream
             torch.manual_seed(ctx.seed)
             self.global_state: dict[str, torch.Tensor] = build(self.full_spec).state_dict()
+        self.feedback = SpeedFeedback()  # observed / predicted training time per board (coordinator feeds it)
+        self._fits: dict[str, tuple[Fit, str]] = {}  # this round's sizing per board, and the spec id it chose
+        self._chosen: dict[str, str] = {}  # the spec id each board's sizing chose last round (re-plans)
         self.setup()
 
     # -- what each method defines -------------------------------------------------------------
@@ -155,12 +168,123 @@ class Strategy(ABC):
         return 1.0
 
     def fit_by_budget(self, device: DeviceInfo, specs: list[SubmodelSpec]) -> int | None:
-        """Index of the largest spec whose estimated training memory fits the device's registered budget
-        (the cheapest when none fits); None when the device registered no budget."""
+        """Index of the largest spec that fits the device (profiler.fit.fit_member): its estimated training
+        memory within the registered budget (or what the board measured), and, when the board sent a profile
+        and the run has a deadline, its predicted local training time within the deadline's training share.
+        The cheapest when none fits; None when the device registered neither a budget nor a profile, or pinned
+        its tier. The choice and its reason are kept for the round's record (`plan_report`)."""
         budget = device_memory_budget(device.memory_budget_bytes, device.profile)
-        if budget is None:
+        board = self.board_of(device)
+        if budget is None and (device.profile or {}).get("tier") is not None:
+            if board is not None:
+                self._fits[device.device_id] = (Fit(-1, PINNED, 0, None), "")
             return None
-        return member_for_budget(specs, budget, int(self.ctx.local.get("batch_size", 32)))
+        if budget is None and board is None:
+            return None
+        if board is None:  # a hand-set budget only: the planner's rule as it always was
+            return member_for_budget(specs, budget, self.batch_size)  # type: ignore[arg-type]
+        previous = self._chosen.get(device.device_id)
+        current = next((k for k, s in enumerate(specs) if s.id == previous), None)
+        fit = fit_member(
+            specs,
+            self.batch_size,
+            memory_budget=budget,
+            board=board,
+            samples=samples_trained(self.ctx.local, device.num_samples),
+            time_budget_s=self.time_budget_s,
+            speed=self.feedback.factor(device.device_id),
+            current=current,
+        )
+        self._fits[device.device_id] = (fit, specs[fit.index].id)
+        return fit.index
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.ctx.local.get("batch_size", 32))
+
+    @property
+    def time_budget_s(self) -> float | None:
+        """Seconds of local training a board may plan for: the deadline's training share."""
+        if self.ctx.deadline_s is None:
+            return None
+        return float(self.ctx.deadline_s) * float(self.ctx.train_share)
+
+    def board_of(self, device: DeviceInfo) -> BoardProfile | None:
+        """The device's profile when it measured this run's full model at this run's batch size."""
+        board = device.board
+        if board is None or board.spec_id != self.full_spec.id or board.batch != self.batch_size:
+            return None
+        return board
+
+    def memory_budget_of(self, device: DeviceInfo) -> int | None:
+        """Hand-set budget (it wins), else the profile's recorded budget, else what the board measured."""
+        budget = device_memory_budget(device.memory_budget_bytes, device.profile)
+        if budget is not None:
+            return budget
+        board = self.board_of(device)
+        return None if board is None else board.memory_bytes
+
+    def sized_by_fit(self, device: DeviceInfo) -> bool:
+        """Whether `fit_by_budget` sizes this device (a budget, or a profile without a pinned tier)."""
+        if device_memory_budget(device.memory_budget_bytes, device.profile) is not None:
+            return True
+        return self.board_of(device) is not None and (device.profile or {}).get("tier") is None
+
+    # -- the closed loop: plans, predictions, feedback ----------------------------------------------
+    def plan_report(
+        self, round_index: int, devices: list[DeviceInfo], tasks: dict[str, Task]
+    ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        """Per profiled board: the task's spec, why it was chosen, the predicted training time (raw and
+        corrected); and the re-plans (a board whose sizing chose another spec than last round)."""
+        plans: dict[str, dict[str, Any]] = {}
+        replans: list[dict[str, Any]] = []
+        for device in devices:
+            task, board = tasks.get(device.device_id), self.board_of(device)
+            if task is None or board is None:
+                continue
+            fit, chosen = self._fits.get(device.device_id, (None, ""))
+            raw = board.train_seconds(
+                SubmodelSpec.from_dict(task.spec), samples_trained(task.hparams, device.num_samples)
+            )
+            speed = self.feedback.factor(device.device_id)
+            plans[device.device_id] = {
+                "spec": task.spec_id,
+                "reason": fit.reason if fit is not None else self.sizing_reason,
+                "predicted_s": raw * speed,
+                "raw_predicted_s": raw,
+                "speed": speed,
+                "memory_bytes": fit.memory_bytes if fit is not None else None,
+                "budget_bytes": self.memory_budget_of(device),
+                "time_budget_s": self.time_budget_s,
+                "source": board.source,
+            }
+            if chosen:
+                before = self._chosen.get(device.device_id)
+                if before is not None and before != chosen:
+                    replans.append(
+                        {
+                            "device": device.device_id,
+                            "from": before,
+                            "to": chosen,
+                            "reason": fit.reason,
+                            "speed": speed,
+                        }
+                    )
+                self._chosen[device.device_id] = chosen
+        self._fits = {}
+        return plans, replans
+
+    def observe_training(
+        self, plans: dict[str, dict[str, Any]], observed: dict[str, tuple[float, bool]]
+    ) -> None:
+        """Fold each planned board's observed training time (seconds, censored by the deadline) into its
+        speed factor; the plan entries gain `observed_s`, `censored` and the new `speed_after`."""
+        for device_id, (seconds, censored) in observed.items():
+            plan = plans.get(device_id)
+            if plan is None:
+                continue
+            plan["observed_s"], plan["censored"] = seconds, censored
+            plan["speed_after"] = self.feedback.observe(device_id, plan["raw_predicted_s"], seconds, censored)
 
     # -- shared machinery ---------------------------------------------------------------------
     def round_rng(self, round_index: int, salt: int = 0) -> np.random.Generator:

@@ -52,6 +52,10 @@ class DepthFL(Strategy):
             self.specs.append(SubmodelSpec(self.model, depth=None if last else end, exits=exits, head=last))
 
     def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
+        # A measured profile sizes the depth (profiler/fit.py); without one, DepthFL's groups by index.
+        fitted = self.fit_by_budget(device, self.specs) if self.board_of(device) is not None else None
+        if fitted is not None:
+            return self.specs[fitted]
         per_group = max(1, self.ctx.num_clients / len(self.specs))
         return self.specs[min(int(device.index // per_group), len(self.specs) - 1)]
 

@@ -19,7 +19,6 @@ from nestling.profiler.decompose import (
     width_budget,
 )
 from nestling.profiler.estimator import estimate
-from nestling.profiler.planner import device_memory_budget
 from nestling.server.strategies.fedepth_paper import paper_plan
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.spec import SubmodelSpec
@@ -62,6 +61,7 @@ class FeDepth(Strategy):
     unless `aggregate_bypassed = false`."""
 
     name = "fedepth"
+    sizing_reason = "decomposed by memory"  # a profiled board's stages follow its measured memory
     procedure = "fedepth"
     option_defaults: ClassVar[dict[str, Any]] = {
         "budgets": "fair",
@@ -187,7 +187,7 @@ class FeDepth(Strategy):
 
     def budget_of(self, device: DeviceInfo) -> int:
         """The device's own budget when it registered one, else its tier's preset R(r)."""
-        own = device_memory_budget(device.memory_budget_bytes, device.profile)
+        own = self.memory_budget_of(device)  # hand-set, recorded, or measured by the board
         return own if own is not None else self.ratio_bytes[self.ratios[self.tier_of(device)]]
 
     def paper_plan_for(self, ratio: float) -> tuple[StagePlan, int]:

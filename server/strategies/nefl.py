@@ -11,7 +11,6 @@ from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
-from nestling.profiler.planner import device_memory_budget
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.server.strategies.nefl_presets import nefl_family
 from nestling.slicing import extract, roles_for, slices_for
@@ -72,9 +71,7 @@ class NeFL(Strategy):
 
     def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
         tier, flex = self.tier_of(device), int(self.options["flex"])
-        capped = (
-            device_memory_budget(device.memory_budget_bytes, device.profile) is not None
-        )  # never above the fit
+        capped = self.sized_by_fit(device)  # never above the fit
         low, high = max(0, tier - flex), tier if capped else min(self.num_submodels - 1, tier + flex)
         rng = self.round_rng(round_index, salt=device.index + 1)
         return self.specs[int(rng.integers(low, high + 1))]

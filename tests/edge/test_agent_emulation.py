@@ -55,7 +55,9 @@ def test_device_emulate_names_a_catalogue_class() -> None:
     target = resolve_emulation(config.device)
     rpi4 = get_board("rpi4")
     assert target == EmulationTarget(
-        "rpi4", SpeedFigures(rpi4.sustained_gflops, rpi4.up_bps, rpi4.down_bps, rpi4.latency_s)
+        "rpi4",
+        SpeedFigures(rpi4.sustained_gflops, rpi4.up_bps, rpi4.down_bps, rpi4.latency_s),
+        memory_bytes=rpi4.memory_budget_bytes,  # the class's training memory: its profile reports it
     )
     assert resolve_emulation(agent_config_from_dict({"device": {"id": "b"}}).device) is None
 
@@ -74,7 +76,10 @@ def test_a_trace_device_brings_its_own_figures(tmp_path: Path) -> None:
     config = load_agent_config(tmp_path / "agent.toml")
     assert config.device.emulate_trace == str(tmp_path / "fleet.jsonl")  # relative to the config file
     target = resolve_emulation(config.device)
-    assert target == EmulationTarget("rpi4", SpeedFigures(0.1, 2e6, 4e6, 0.05), trace_device="slow-pi")
+    assert target is not None and target.memory_bytes is not None  # the trace device's budget
+    assert target == EmulationTarget(
+        "rpi4", SpeedFigures(0.1, 2e6, 4e6, 0.05), trace_device="slow-pi", memory_bytes=target.memory_bytes
+    )
     with pytest.raises(
         ConfigError, match=r"no device 'nope' in trace .*\(it has 3: slow-pi, fast-pi, measured\)"
     ):

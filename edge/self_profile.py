@@ -1,0 +1,149 @@
+"""The board measures itself for the fleet's model, once, and keeps the result in its state folder.
+
+The server announces its full model and batch size in its retained status (`ServerStatus.plan`). The agent
+measures that model on its own device (available training memory with a safety margin, sustained GFLOP/s,
+per-part forward/backward latency and activations: profiler/measure.py) or, when it emulates a catalogue
+class, takes the class's figures (profiler/board_profile.py). The summary is cached under a key of everything
+it depends on (model, batch, torch version, board, margin, emulated class): a restart with the same key
+sends it at once, any change measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from nestling.edge.emulation import EmulationTarget
+from nestling.profiler.board_profile import (
+    BoardProfile,
+    ProfileError,
+    emulated_board_profile,
+    measured_board_profile,
+    parse_board_profile,
+)
+from nestling.profiler.device import cpu_model, measure_gflops
+from nestling.profiler.measure import profile_model
+from nestling.profiler.speed import FLOPS_PER_MAC, TRAIN_OVER_FORWARD, MacCounter
+from nestling.spec import SubmodelSpec
+
+log = logging.getLogger("nestling.agent")
+CACHE_NAME = "board-profile.json"
+
+
+@dataclass(frozen=True)
+class ProfileInputs:
+    """What a board profile depends on; its `key` decides whether the cached one still holds."""
+
+    spec: dict[str, Any]  # the fleet's full model (SubmodelSpec.to_dict)
+    batch: int
+    torch_device: str
+    margin: float
+    emulate: str | None = None  # the emulated class (its figures replace the measurement)
+
+    def board(self) -> dict[str, Any]:
+        """This board's identity: a profile measured elsewhere (a copied state folder) is not reused."""
+        identity: dict[str, Any] = {
+            "machine": platform.machine(),
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "memory": int(psutil.virtual_memory().total),
+            "torch": torch.__version__,
+            "device": self.torch_device,
+        }
+        if torch.device(self.torch_device).type == "cuda" and torch.cuda.is_available():
+            identity["gpu"] = torch.cuda.get_device_name(torch.device(self.torch_device))
+        return identity
+
+    def key(self) -> str:
+        material = {
+            "spec": self.spec,
+            "batch": self.batch,
+            "margin": self.margin,
+            "emulate": self.emulate,
+            "board": self.board(),
+        }
+        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def available_memory(torch_device: str) -> int:
+    """Bytes training may take now: free GPU memory on CUDA, else available RAM (Jetsons share it)."""
+    if torch.device(torch_device).type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(torch.device(torch_device))
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def emulated_profile(inputs: ProfileInputs, target: EmulationTarget) -> BoardProfile:
+    """The emulated board's figures: its GFLOP/s (or the speed its measured per-sample latency implies) and
+    its training memory, so the server plans exactly what the emulation will pace."""
+    spec = SubmodelSpec.from_dict(inputs.spec)
+    figures = target.figures
+    gflops = figures.sustained_gflops
+    latency = (figures.block_latency_s or {}).get(spec.model.arch, (figures.block_latency_s or {}).get("*"))
+    if latency is not None:  # seconds per training sample of the full model: the speed that implies
+        macs = MacCounter((spec.model.in_channels, spec.model.image_size, spec.model.image_size))(spec)
+        gflops = macs * FLOPS_PER_MAC * TRAIN_OVER_FORWARD / float(latency) / 1e9
+    if gflops is None:
+        raise ProfileError("gflops", f"emulated board {target.name} has no speed for {spec.model.arch}")
+    memory = target.memory_bytes if target.memory_bytes is not None else available_memory(inputs.torch_device)
+    return emulated_board_profile(spec, inputs.batch, gflops, memory, target.name, inputs.margin)
+
+
+def measure_profile(inputs: ProfileInputs, *, repeats: int = 5, warmup: int = 2) -> BoardProfile:
+    """Measure the full model on this board (seconds on a small CPU; the worker is idle meanwhile)."""
+    spec = SubmodelSpec.from_dict(inputs.spec)
+    measured = profile_model(
+        spec, inputs.batch, inputs.torch_device, repeats=repeats, warmup=warmup, rss_check=False
+    )
+    gflops = float(measure_gflops(inputs.torch_device, seconds=0.5)["gflops"])
+    return measured_board_profile(measured, gflops, available_memory(inputs.torch_device), inputs.margin)
+
+
+def load_cached(path: Path, key: str) -> BoardProfile | None:
+    """The cached profile when it was made for exactly these inputs, else None (absent, stale, unreadable)."""
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        if not isinstance(stored, dict) or stored.get("key") != key:
+            return None
+        return parse_board_profile(stored.get("profile"))
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable profile cache %s: %s", path, exc)
+        return None
+
+
+def save_cached(path: Path, key: str, profile: BoardProfile) -> None:
+    """Write atomically: a power cut leaves the old cache or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"key": key, "profile": profile.to_dict()}, indent=1))
+    os.replace(tmp, path)
+
+
+def board_profile(
+    inputs: ProfileInputs, cache: Path, target: EmulationTarget | None = None, *, repeats: int = 5
+) -> tuple[BoardProfile, bool]:
+    """(profile, measured now?): the cached one when its key matches, else a fresh one, cached."""
+    key = inputs.key()
+    cached = load_cached(cache, key)
+    if cached is not None:
+        return cached, False
+    profile = (
+        emulated_profile(inputs, target) if target is not None else measure_profile(inputs, repeats=repeats)
+    )
+    try:
+        save_cached(cache, key, profile)
+    except OSError as exc:  # a read-only state folder costs the cache, not the profile
+        log.error("could not cache the board profile in %s: %s", cache, exc)
+    return profile, True
