@@ -1,0 +1,76 @@
+"""A board's profile of the fleet's model: measured once, cached in its state folder, measured again only when
+the model, batch size, torch version, board, margin or emulated class changes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nestling.edge.emulation import EmulationTarget
+from nestling.edge.self_profile import CACHE_NAME, ProfileInputs, board_profile, load_cached
+from nestling.models.config import ModelConfig
+from nestling.profiler.catalogue import get_board
+from nestling.spec import SubmodelSpec
+
+SPEC = SubmodelSpec.full(ModelConfig("tinycnn", image_size=8)).to_dict()
+
+
+def test_the_first_start_measures_and_a_restart_reads_the_cache(tmp_path: Path) -> None:
+    inputs = ProfileInputs(SPEC, 8, "cpu", 0.25)
+    cache = tmp_path / CACHE_NAME
+    first, measured = board_profile(inputs, cache, repeats=1)
+    assert measured and cache.is_file() and first.source == "measured"
+    assert first.spec_id == SubmodelSpec.from_dict(SPEC).id and first.batch == 8
+    assert first.memory_bytes > 0 and first.gflops > 0 and all(p.forward_s > 0 for p in first.parts)
+    again, measured_again = board_profile(inputs, cache, repeats=1)
+    assert not measured_again and again == first
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        ProfileInputs(SubmodelSpec.full(ModelConfig("tinycnn", image_size=16)).to_dict(), 8, "cpu", 0.25),
+        ProfileInputs(SPEC, 16, "cpu", 0.25),
+        ProfileInputs(SPEC, 8, "cpu", 0.5),
+        ProfileInputs(SPEC, 8, "cpu", 0.25, emulate="rpi4"),
+    ],
+)
+def test_any_changed_input_invalidates_the_cache(tmp_path: Path, changed: ProfileInputs) -> None:
+    base = ProfileInputs(SPEC, 8, "cpu", 0.25)
+    assert changed.key() != base.key()
+
+
+def test_a_new_torch_or_another_board_invalidates_the_cache(tmp_path: Path, monkeypatch) -> None:
+    inputs = ProfileInputs(SPEC, 8, "cpu", 0.25)
+    key = inputs.key()
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert inputs.key() != key
+    monkeypatch.undo()
+    monkeypatch.setattr("nestling.edge.self_profile.cpu_model", lambda: "another board's CPU")
+    assert inputs.key() != key
+
+
+def test_a_stale_or_corrupt_cache_is_measured_again(tmp_path: Path) -> None:
+    inputs = ProfileInputs(SPEC, 8, "cpu", 0.25)
+    cache = tmp_path / CACHE_NAME
+    board_profile(inputs, cache, repeats=1)
+    stored = json.loads(cache.read_text())
+    stored["profile"]["gflops"] = float("nan")  # tampered with: the same checks as the server's
+    cache.write_text(json.dumps(stored).replace("NaN", "1e999"))
+    assert load_cached(cache, inputs.key()) is None
+    cache.write_text("{not json")
+    assert load_cached(cache, inputs.key()) is None
+    assert board_profile(inputs, cache, repeats=1)[1]  # measured again, and cached again
+    assert load_cached(cache, inputs.key()) is not None
+
+
+def test_an_emulating_board_reports_its_class_not_this_host(tmp_path: Path) -> None:
+    rpi4 = get_board("rpi4")
+    target = EmulationTarget.of_board(rpi4)
+    inputs = ProfileInputs(SPEC, 8, "cpu", 0.25, emulate="rpi4")
+    profile, _ = board_profile(inputs, tmp_path / CACHE_NAME, target)
+    assert profile.source == "emulated:rpi4" and profile.gflops == pytest.approx(rpi4.sustained_gflops)
+    assert profile.memory_bytes == int(rpi4.memory_budget_bytes * 0.75)
