@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 from nestling.config import load_config
+from nestling.server.strategies.nefl_presets import PARAM_FRACTIONS
 from nestling.simulator.run import run_simulation
+from nestling.spec import width_from_param_fraction
 
 DEFAULT_METHODS = ("nefl-wd", "fjord", "heterofl")
 
@@ -41,6 +43,12 @@ def config_for(method: str, args: argparse.Namespace, rounds: int, model: str) -
     }
     if method in ("fedepth", "m-fedepth"):
         overrides["method.budgets"] = "fair"
+    # NeFL's comparison: every method at the same five submodel sizes γ = 0.2 … 1 (channel ratio √γ), not
+    # HeteroFL's and FjORD's own defaults (docs/methods-decisions.md).
+    if method == "heterofl":
+        overrides["method.rates"] = [width_from_param_fraction(g) for g in PARAM_FRACTIONS]
+    if method == "fjord":
+        overrides["method.widths"] = [round(width_from_param_fraction(g), 6) for g in PARAM_FRACTIONS]
     return overrides
 
 

@@ -7,8 +7,7 @@ from typing import Any, ClassVar
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
-from nestling.server.strategies.nefl_presets import PARAM_FRACTIONS
-from nestling.spec import SubmodelSpec, width_from_param_fraction
+from nestling.spec import SubmodelSpec
 
 
 class FjORD(Strategy):
@@ -19,10 +18,10 @@ class FjORD(Strategy):
 
     name = "fjord"
     procedure = "fjord"
-    # Default widths: √γ for γ = 0.2 … 1, NeFL's equal-size comparison (METHODS §2.c: "FjORD with per-submodel
-    # BN"); FjORD's own P = (0.2, 0.4, 0.6, 0.8, 1.0) channel ratios are one option away.
+    # Default widths: FjORD's own P = (0.2, 0.4, 0.6, 0.8, 1.0) channel ratios (METHODS §7.2). Comparisons at
+    # other sizes pass theirs (examples/reproduce/nefl.toml: NeFL's √γ).
     option_defaults: ClassVar[dict[str, Any]] = {
-        "widths": tuple(round(width_from_param_fraction(g), 6) for g in PARAM_FRACTIONS),
+        "widths": (0.2, 0.4, 0.6, 0.8, 1.0),
         "kd": False,
     }
 

@@ -10,8 +10,7 @@ from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
-from nestling.server.strategies.nefl_presets import PARAM_FRACTIONS
-from nestling.spec import SubmodelSpec, width_from_param_fraction
+from nestling.spec import SubmodelSpec
 
 RATE_LETTERS = {"a": 1.0, "b": 0.5, "c": 0.25, "d": 0.125, "e": 0.0625}
 
@@ -34,11 +33,10 @@ class HeteroFL(Strategy):
     """`fix` mode: contiguous client blocks keep their rate; `dynamic`: rates re-drawn every round."""
 
     name = "heterofl"
-    # Default rates: the channel ratios √γ of NeFL's comparison (γ = 0.2 … 1 parameter fractions, METHODS §2.c)
-    # so that methods are compared at equal submodel sizes; `mix = "a1-b1-c1-d1-e1"` gives HeteroFL's own
-    # 1 … 1/16 rates.
+    # Default rates: HeteroFL's own 1, 1/2, 1/4, 1/8, 1/16 (METHODS §7.1), one fifth of the clients each.
+    # Comparisons at other sizes pass theirs (examples/reproduce/nefl.toml: NeFL's channel ratios √γ).
     option_defaults: ClassVar[dict[str, Any]] = {
-        "rates": tuple(width_from_param_fraction(g) for g in PARAM_FRACTIONS),
+        "rates": tuple(RATE_LETTERS.values()),
         "mix": None,
         "mode": "fix",
         "masked_ce": False,

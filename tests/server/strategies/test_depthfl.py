@@ -56,7 +56,8 @@ def test_depth_one_clients_never_touch_deeper_layers_or_classifiers(make_ctx, fa
 
 
 def test_all_full_depth_clients_without_kd_aggregate_to_uniform_fedavg(make_ctx, fake_result) -> None:
-    strategy = depthfl(make_ctx, kd=False)
+    """METHODS §7.3 invariant: kd off, FedDyn off, every client at full depth ⇒ uniform FedAvg."""
+    strategy = depthfl(make_ctx, kd=False, feddyn_alpha=0.0)
     deepest = devices()[6:]
     tasks = list(strategy.assign(0, deepest).values())
     assert all(t.hparams["kd"] is False for t in tasks)
@@ -70,7 +71,7 @@ def test_all_full_depth_clients_without_kd_aggregate_to_uniform_fedavg(make_ctx,
 
 
 def test_shallow_and_deep_clients_share_the_layers_they_both_hold(make_ctx, fake_result) -> None:
-    strategy = depthfl(make_ctx)
+    strategy = depthfl(make_ctx, feddyn_alpha=0.0)  # the count-based mean alone
     shallow, deep = strategy.assign(0, [devices()[0], devices()[7]]).values()
     a, b = fake_result(shallow, seed=1), fake_result(deep, seed=2)
     strategy.aggregate(0, [(shallow, a), (deep, b)])
@@ -81,6 +82,13 @@ def test_shallow_and_deep_clients_share_the_layers_they_both_hold(make_ctx, fake
     torch.testing.assert_close(
         strategy.global_state["blocks.4.conv1.weight"], b.weights["blocks.4.conv1.weight"]
     )
+
+
+def test_feddyn_is_on_by_default_with_the_references_alpha(make_ctx) -> None:
+    """METHODS §7.3: DepthFL's published numbers include FedDyn with α = 0.1."""
+    task = depthfl(make_ctx).assign(0, devices(1))["dev-00000"]
+    assert task.hparams["feddyn_alpha"] == 0.1
+    assert depthfl(make_ctx, feddyn_alpha=0.0).assign(0, devices(1))["dev-00000"].hparams["feddyn_alpha"] == 0
 
 
 def test_clients_get_the_kd_ramp_and_evaluation_ensembles_every_classifier(make_ctx) -> None:
