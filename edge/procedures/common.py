@@ -63,10 +63,15 @@ def step(
 ) -> None:
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    clip_gradients(params, hp)
+    optimizer.step()
+
+
+def clip_gradients(params: list[nn.Parameter], hp: dict[str, Any]) -> None:
+    """Gradient-norm clipping at the task's `grad_clip` (HeteroFL's 1, METHODS §7.1) before every step."""
     clip = hp.get("grad_clip")
     if clip:
         nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], float(clip))
-    optimizer.step()
 
 
 def outputs_list(out: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:

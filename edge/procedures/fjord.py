@@ -7,7 +7,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list, step
+from nestling.edge.procedures.common import (
+    batches,
+    clip_gradients,
+    cross_entropy,
+    make_optimizer,
+    outputs_list,
+    step,
+)
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.layers import set_active_width
 from nestling.models.net import ScalableNet
@@ -46,6 +53,7 @@ def train_fjord(
             soft = F.softmax(teacher.detach(), dim=1)
             loss = torch.sum(-soft * F.log_softmax(student, dim=1), dim=1).mean()
             loss.backward()
+            clip_gradients(params, hp)  # the step holds both backward passes' gradients
             optimizer.step()
         else:
             set_active_width(model, p)

@@ -104,3 +104,33 @@ def test_self_distillation_teacher_learns_only_from_its_own_cross_entropy() -> N
     for (name, q), g in zip([(n, q) for n, q in reference.named_parameters() if q.requires_grad], grads):
         expected = q.detach() - 0.1 * (g if g is not None else torch.zeros_like(q))
         torch.testing.assert_close(trained[name].detach(), expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_distillation_step_honours_grad_clip() -> None:
+    """Both backward passes' gradients are clipped together to `grad_clip` before the step (as plain steps are):
+    with momentum and weight decay off, every step moves the weights by at most lr·clip in norm."""
+    p_max, lr, clip = 0.8, 0.1, 1e-3
+    torch.manual_seed(0)
+    net = build(SubmodelSpec(MODEL, width=p_max))
+    moves: list[float] = []
+    last = [q.detach().clone() for q in net.parameters()]
+
+    def measure(module: torch.nn.Module, args: tuple) -> None:
+        now = [q.detach().clone() for q in net.parameters()]
+        moves.append(float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(now, last)))))
+        last[:] = now
+
+    hook = net.register_forward_pre_hook(measure)  # runs before each forward: the previous step's move
+    hp = {"p_max": p_max, "widths": list(LEVELS), "lr": lr, "batch_size": 8, "local_steps": 12}
+    outcome = get_procedure("fjord")(
+        net,
+        data(),
+        {**hp, "fjord_kd": True, "grad_clip": clip},
+        DeviceStore(),
+        torch.Generator().manual_seed(3),
+    )
+    hook.remove()
+    measure(net, ())
+    assert any(p < p_max for p in outcome.extra["sampled_widths"])  # distillation steps did run
+    steps = [m for m in moves if m > 0]  # the teacher's and student's forwards of one step see one move
+    assert len(steps) == 12 and max(steps) <= lr * clip * (1 + 1e-3)
