@@ -109,7 +109,14 @@ class NeFL(Strategy):
             contributions = [
                 Contribution({key: r.weights[key] for key in self.stores[k]}, regions) for _, r in mine
             ]
-            self.stores[k].update(masked_mean(self.stores[k], contributions))
+            old = self.stores[k]
+            self.stores[k] = {**old, **masked_mean(old, contributions)}
+            # BN batch counters are summed (§2.a.6 step 5), not averaged: the store counts every batch its
+            # uploads trained (old + Σ new batches; summing the uploads themselves would add `old` b_k times).
+            for key, value in old.items():
+                if not value.is_floating_point():
+                    added = torch.stack([r.weights[key] - value for _, r in mine]).sum(dim=0)
+                    self.stores[k][key] = value + added
 
     def eval_targets(self) -> list[EvalTarget]:
         return [EvalTarget(f"k{k + 1}", spec, self.task_weights(spec)) for k, spec in enumerate(self.specs)]

@@ -260,6 +260,29 @@ def test_bn_store_k_is_the_mean_of_submodel_k_uploads_and_unsampled_stores_are_u
     }
 
 
+def test_bn_batch_counters_of_a_store_are_summed_over_its_uploads(make_ctx) -> None:
+    """§1.3 / §2.a.6 step 5: num_batches_tracked is summed, not averaged (nor the largest taken): the store
+    counts the batches every upload of submodel k trained on top of what it had; other stores keep theirs."""
+    strategy = make_nefl(make_ctx, mode="w")
+    counters = [key for key, v in strategy.stores[1].items() if not v.is_floating_point()]
+    assert counters and all(key.endswith("num_batches_tracked") for key in counters)
+    for key in counters:  # a store that has already counted some batches
+        strategy.stores[1][key] = torch.tensor(40)
+    accepted = []
+    for c, (k, trained) in enumerate([(1, 3), (1, 5), (3, 2)]):
+        t = task(strategy, k, c)
+        result = constant_result(t, 1.0)
+        for key in counters:
+            result.weights[key] = t.weights[key] + trained
+        accepted.append((t, result))
+    strategy.aggregate(0, accepted)
+    for key in counters:
+        assert strategy.stores[1][key].item() == 40 + 3 + 5, key
+        assert strategy.stores[1][key].dtype == torch.int64
+        assert strategy.stores[3][key].item() == 0 + 2, key
+        assert strategy.stores[0][key].item() == 0, key
+
+
 # -- §2.b.9 ------------------------------------------------------------------------------------------
 def test_resnet18_nefl_d_submodels_hold_the_published_parameter_fractions() -> None:
     model = ModelConfig("resnet18")
