@@ -58,7 +58,7 @@ SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
         str,
         "fedavg, heterofl, fjord, depthfl, scalefl, nefl-w, nefl-d, nefl-wd, fedepth, m-fedepth, dynamicfl, fedtrans",
     ),
-    ("--model", "model.arch", str, "tinycnn, resnet20/56/110, preresnet20, resnet18/34, vit"),
+    ("--model", "model.arch", str, "tinycnn, resnet20/56/110, preresnet20, resnet18/34, resnet18-cifar, vit"),
     (
         "--dataset",
         "data.dataset",

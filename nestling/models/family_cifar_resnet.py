@@ -1,4 +1,5 @@
-"""CIFAR ResNets (He et al. 2016: three stages of 16/32/64 channels) and FeDepth's PreResNet-20.
+"""CIFAR ResNets (He et al. 2016: three stages of 16/32/64 channels), FeDepth's PreResNet-20 and the CIFAR
+ResNet-18 (no max-pool) FjORD and DepthFL train.
 
 NeFL's published submodels (METHODS §2.a.8) for ResNet-56/110 keep the first n blocks of every stage.
 """
@@ -60,3 +61,17 @@ def resnet110() -> ResNetFamily:
 @register_family
 def preresnet20() -> ResNetFamily:
     return ResNetFamily("preresnet20", 16, _WIDTHS, (3, 3, 3), preact=True, paper="FeDepth PreResNet-20")
+
+
+@register_family
+def resnet18_cifar() -> ResNetFamily:
+    """kuangliu's CIFAR ResNet-18, FjORD's and DepthFL's model (METHODS §1.5): NeFL's ResNet-18 widths and
+    option-B shortcuts, but a 3×3 stride-1 stem with no max-pool, so the 32×32 image reaches layer 1 whole."""
+    return ResNetFamily(
+        "resnet18-cifar",
+        64,
+        (64, 128, 256, 512),
+        (2, 2, 2, 2),
+        preact=False,
+        paper="FjORD / DepthFL CIFAR ResNet-18",
+    )

@@ -72,6 +72,7 @@ def randomised(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     ("arch", "strides", "max_pool"),
     [
         ("resnet18", [1, 1, 2, 1, 2, 1, 2, 1], True),
+        ("resnet18-cifar", [1, 1, 2, 1, 2, 1, 2, 1], False),  # kuangliu's (FjORD, DepthFL): no max-pool
         ("resnet20", [1, 1, 1, 2, 1, 1, 2, 1, 1], False),
     ],
 )

@@ -120,6 +120,17 @@ def test_full_resnet18_has_the_standard_parameter_count_plus_one_step_per_block(
     assert sum(1 for n, _ in resnet20.named_parameters() if n.endswith(".step")) == 9
 
 
+def test_the_cifar_resnet18_of_fjord_and_depthfl_keeps_the_full_resolution_without_max_pool() -> None:
+    """METHODS §1.5: stem 3×3 (64) + BN + ReLU, no max-pool, layer 1 at 32×32, 512 → K linear after GAP."""
+    infos = block_infos("resnet18-cifar", 32)
+    assert infos[0].in_size == 32 and infos[-1].out_size == 4  # avg_pool(4) = global average pool
+    assert [b.stride for b in infos] == [1, 1, 2, 1, 2, 1, 2, 1]
+    assert [b.global_out for b in infos] == [64, 64, 128, 128, 256, 256, 512, 512]
+    net = build(SubmodelSpec.full(ModelConfig("resnet18-cifar", learnable_step=False)), device="meta")
+    assert sum(p.numel() for p in net.parameters() if p.requires_grad) == 11_173_962  # kuangliu's count
+    assert "resnet18-cifar" in known_models()
+
+
 def test_exits_follow_their_blocks_and_depth_truncation_drops_later_blocks() -> None:
     model = ModelConfig("resnet20", exit_points=(2, 5))
     net = build(SubmodelSpec(model, depth=6, exits=(2, 5), head=False))
