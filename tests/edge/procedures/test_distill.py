@@ -150,11 +150,48 @@ def test_scalefl_reports_parameters_that_received_no_gradient() -> None:
     assert trained.untouched == set()
 
 
-def test_depthfl_procedure_uses_the_round_ramp_and_the_kd_switch() -> None:
+def kd_model() -> torch.nn.Module:
     model = ModelConfig("resnet20", num_classes=5, image_size=8, exit_points=(2, 5), exit_kind="depthfl")
     torch.manual_seed(0)
-    net = build(SubmodelSpec(model, depth=6, exits=(2, 5), head=False))
-    hp = {"round": 150, "kd_ramp_rounds": 300, "local_steps": 2, "batch_size": 8, "kd": True}
-    outcome = get_procedure("depthfl-kd")(net, data(), hp, DeviceStore(), torch.Generator().manual_seed(0))
-    assert outcome.extra["kd_weight"] == pytest.approx(math.exp(-5 * 0.25))
-    assert outcome.steps == 2 and all(math.isfinite(v) for v in outcome.losses)
+    return build(SubmodelSpec(model, depth=6, exits=(2, 5), head=False))
+
+
+def expected_depthfl_step(
+    net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, w: float, lr: float
+) -> dict:
+    """One plain SGD step on METHODS §7.3's loss, written out here: Σ_i CE(z_i, y) + w/(d−1) Σ_{j≠i}
+    Σ_batch Σ_c p_j (log p_j − log p_i) / B, with p_j = softmax(z_j).detach() (+1e-7 inside the KL target)."""
+    outputs = net(x)
+    d, batch = len(outputs), x.shape[0]
+    loss = sum(F.cross_entropy(z, y) for z in outputs)
+    for i in range(d):
+        log_p_i = F.log_softmax(outputs[i], dim=1)
+        for j in range(d):
+            if j != i:
+                target = F.softmax(outputs[j].detach(), dim=1) + 1e-7
+                loss = loss + w / (d - 1) * (target * (target.log() - log_p_i)).sum() / batch
+    params = [p for p in net.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    names = [n for n, p in net.named_parameters() if p.requires_grad]
+    return {n: (p - lr * g if g is not None else p).detach() for n, p, g in zip(names, params, grads)}
+
+
+def test_depthfl_procedure_trains_on_the_round_ramped_kd_loss_and_honours_the_kd_switch() -> None:
+    """The reported weight is the one the step used: the trained weights equal one SGD step on the loss with
+    w_150 = e^(−5/4), and differ from the steps with w = 1 (no ramp) and with KD off."""
+    d = data()  # one batch of all 8 samples: the batch mean does not depend on their order
+    hp = {"round": 150, "kd_ramp_rounds": 300, "local_steps": 1, "batch_size": 8, "kd": True, "lr": 0.5}
+    net = kd_model()
+    outcome = get_procedure("depthfl-kd")(net, d, hp, DeviceStore(), torch.Generator().manual_seed(0))
+    w = math.exp(-5 * 0.25)
+    assert outcome.extra["kd_weight"] == pytest.approx(w)
+    assert outcome.steps == 1 and all(math.isfinite(v) for v in outcome.losses)
+    trained = {n: p.detach() for n, p in net.named_parameters()}
+    for weight, same in ((w, True), (1.0, False), (0.0, False)):
+        expected = expected_depthfl_step(kd_model().train(), d.x, d.y, weight, hp["lr"])
+        close = all(torch.allclose(trained[n], v, rtol=1e-4, atol=1e-6) for n, v in expected.items())
+        assert close == same, weight
+    off = kd_model()
+    get_procedure("depthfl-kd")(off, d, {**hp, "kd": False}, DeviceStore(), torch.Generator().manual_seed(0))
+    no_kd = expected_depthfl_step(kd_model().train(), d.x, d.y, 0.0, hp["lr"])
+    assert all(torch.allclose(p.detach(), no_kd[n], rtol=1e-4, atol=1e-6) for n, p in off.named_parameters())
