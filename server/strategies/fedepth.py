@@ -19,8 +19,8 @@ from nestling.profiler.decompose import (
     width_budget,
 )
 from nestling.profiler.estimator import estimate
-from nestling.server.strategies.fedepth_paper import paper_plan
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.fedepth_paper import paper_plan
 from nestling.spec import SubmodelSpec
 
 # METHODS §3.a.1 (FeDepth paper §Experiments): width ratios r, a quarter of the clients each (tier = ⌊4i/N⌋).
