@@ -56,7 +56,7 @@ SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
         "--method",
         "method.name",
         str,
-        "fedavg, heterofl, fjord, depthfl, scalefl, nefl-w, nefl-d, nefl-wd, fedepth, m-fedepth, dynamicfl, fedtrans",
+        "one of the registered methods (listed by --help)",
     ),
     ("--model", "model.arch", str, "tinycnn, resnet20/56/110, preresnet20, resnet18/34, resnet18-cifar, vit"),
     (
@@ -100,12 +100,25 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+def _registered_methods() -> list[str]:
+    """Every method a run can name: the strategy registry, including plugins imported before the CLI runs."""
+    from nestling.server.strategies import STRATEGIES
+
+    return sorted(STRATEGIES)
+
+
 def simulate_parser(prog: str = "nestling simulate") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Run a federated simulation in one process.")
     parser.add_argument(
         "--config", type=Path, help="TOML config file ([run] [data] [model] [method] [train])"
     )
     for flag, _, kind, help_text in SIMULATE_FLAGS:
+        if flag == "--method":
+            help_text = ", ".join(_registered_methods())
+        elif flag == "--model":
+            from nestling.models.zoo import known_models
+
+            help_text = ", ".join(known_models())
         parser.add_argument(flag, type=kind, help=help_text)
     parser.add_argument(
         "--set",

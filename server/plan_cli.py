@@ -19,7 +19,7 @@ from nestling.profiler.planner import DeviceBudget, PlanRow, plan_to_json
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    from nestling.server.plan_methods import PLANNABLE
+    from nestling.server.plan_methods import plannable_methods
 
     p = argparse.ArgumentParser(
         prog="nestling plan", description="Turn device budgets into submodels or stages."
@@ -28,7 +28,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budget-mb", type=float, nargs="+", help="memory budgets: one per profile, or devices of their own"
     )
-    p.add_argument("--method", required=True, choices=PLANNABLE)
+    p.add_argument("--method", required=True, choices=sorted(plannable_methods()))
     p.add_argument("--model", required=True, choices=known_models())
     p.add_argument("--batch", type=int, help="training batch (default: the first profile's, else 32)")
     p.add_argument("--classes", type=int, default=10)

@@ -23,9 +23,16 @@ from nestling.profiler.planner import (
 )
 from nestling.spec import SubmodelSpec
 
-FAMILY_METHODS = ("nefl-w", "nefl-d", "nefl-wd", "heterofl", "fjord")
-DEPTH_METHODS = ("fedepth", "m-fedepth")
-PLANNABLE = (*FAMILY_METHODS, "scalefl", *DEPTH_METHODS)
+PLANNING_KINDS = ("family", "levels", "depthwise")
+
+
+def plannable_methods() -> dict[str, str]:
+    """Method name -> how it plans, read from each registered strategy's `planning` declaration."""
+    from nestling.server.strategies import STRATEGIES
+
+    return {
+        name: str(cls.planning) for name, cls in sorted(STRATEGIES.items()) if cls.planning in PLANNING_KINDS
+    }
 
 
 def _strategy(
@@ -125,15 +132,16 @@ def plan_rows(
     options: dict[str, Any] | None = None,
 ) -> tuple[list[PlanRow], dict[str, Any]]:
     """Rows for every device plus method facts worth recording (ScaleFL levels, FeDepth budgets)."""
-    if method not in PLANNABLE:
-        raise ConfigError(f"[plan] unknown method '{method}' (known: {', '.join(PLANNABLE)})")
+    kinds = plannable_methods()
+    if method not in kinds:
+        raise ConfigError(f"[plan] method '{method}' has nothing to plan (plannable: {', '.join(kinds)})")
     if not devices:
         raise ConfigError("[plan] no devices: give profiles and/or --budget-mb")
     options = dict(options or {})
-    if method in FAMILY_METHODS:
+    if kinds[method] == "family":
         labels, specs = family_of(_strategy(method, arch, shape, classes, len(devices), batch, options))
         return plan_family(labels, specs, devices, batch), {}
-    if method == "scalefl":
+    if kinds[method] == "levels":
         return _scalefl_plan(arch, shape, classes, devices, batch, levels, tolerance)
     strategy = _strategy(
         method, arch, shape, classes, len(devices), batch, {"tolerance": tolerance, **options}

@@ -124,6 +124,10 @@ class Strategy(ABC):
     option_defaults: ClassVar[dict[str, Any]] = {}
     # What a profiled board's plan says when the method does not size it with `fit_by_budget`.
     sizing_reason: ClassVar[str] = "not sized"
+    # How `nestling plan` sizes this method's boards from budgets (server/plan_methods.py): "family" (the
+    # largest member of `self.specs` that fits), "levels" (ScaleFL's budget clustering), "depthwise" (FeDepth's
+    # decompositions), or None when the method has nothing to plan.
+    planning: ClassVar[str | None] = None
 
     def __init__(self, ctx: StrategyContext) -> None:
         unknown = set(ctx.options) - set(self.option_defaults)

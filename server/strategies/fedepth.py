@@ -61,6 +61,7 @@ class FeDepth(Strategy):
     unless `aggregate_bypassed = false`."""
 
     name = "fedepth"
+    planning = "depthwise"
     sizing_reason = "decomposed by memory"  # a profiled board's stages follow its measured memory
     procedure = "fedepth"
     option_defaults: ClassVar[dict[str, Any]] = {

@@ -17,6 +17,7 @@ class FjORD(Strategy):
     a_k = n_k averages statistics of width p over exactly the clients with p_max ≥ p."""
 
     name = "fjord"
+    planning = "family"
     procedure = "fjord"
     # Default widths: FjORD's own P = (0.2, 0.4, 0.6, 0.8, 1.0) channel ratios (METHODS §7.2). Comparisons at
     # other sizes pass theirs (examples/reproduce/nefl.toml: NeFL's √γ).

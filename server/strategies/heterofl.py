@@ -33,6 +33,7 @@ class HeteroFL(Strategy):
     """`fix` mode: contiguous client blocks keep their rate; `dynamic`: rates re-drawn every round."""
 
     name = "heterofl"
+    planning = "family"
     # Default rates: HeteroFL's own 1, 1/2, 1/4, 1/8, 1/16 (METHODS §7.1), one fifth of the clients each.
     # Comparisons at other sizes pass theirs (examples/reproduce/nefl.toml: NeFL's channel ratios √γ).
     option_defaults: ClassVar[dict[str, Any]] = {

@@ -22,6 +22,7 @@ class NeFL(Strategy):
     full copy of its BN tensors and step sizes, averaged only among the clients that trained k."""
 
     name = "nefl-wd"
+    planning = "family"
     mode: ClassVar[str] = "wd"
     # shortcut_from_skipping (AMBIG-2): also aggregate a skipped stage-entry block's projection from the
     # clients that skip the block (they do use it); off by default, as in the reference.

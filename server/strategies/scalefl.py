@@ -23,6 +23,7 @@ class ScaleFL(Strategy):
     gradient (the trainer drops untouched ones from the upload)."""
 
     name = "scalefl"
+    planning = "levels"
     procedure = "scalefl-sd"
     partial_uploads = True
     option_defaults: ClassVar[dict[str, Any]] = {

@@ -1,0 +1,46 @@
+"""Methods declare what they are on their class; the README, `nestling plan` and the CLI read the declarations."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from nestling.cli import simulate_parser
+from nestling.edge.procedures import known_procedures
+from nestling.server.plan_methods import PLANNING_KINDS, plannable_methods
+from nestling.server.strategies import STRATEGIES
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def _readme_rows() -> dict[str, tuple[str, str]]:
+    """README methods table: method name -> (procedure, plan) as written."""
+    text = README.read_text()
+    table = text[text.index("| name | method | board procedure |") :].split("\n\n")[0]
+    rows: dict[str, tuple[str, str]] = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            rows[name] = (cells[2].strip("`"), cells[3])
+    return rows
+
+
+def test_every_registered_method_declares_a_known_procedure_and_plan_kind() -> None:
+    for name, cls in STRATEGIES.items():
+        assert cls.name == name
+        assert cls.procedure in known_procedures(), name
+        assert cls.planning is None or cls.planning in PLANNING_KINDS, name
+
+
+def test_the_readme_table_is_the_registry() -> None:
+    rows = _readme_rows()
+    assert set(rows) == set(STRATEGIES)
+    for name, (procedure, plan) in rows.items():
+        assert procedure == STRATEGIES[name].procedure, name
+        assert plan == (STRATEGIES[name].planning or "—"), name
+
+
+def test_plan_and_the_cli_list_what_the_classes_declare() -> None:
+    assert plannable_methods() == {n: c.planning for n, c in STRATEGIES.items() if c.planning}
+    help_text = simulate_parser().format_help()
+    assert all(name in help_text for name in STRATEGIES)
