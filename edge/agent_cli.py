@@ -23,6 +23,7 @@ from nestling.edge.emulation import EmulationTarget
 from nestling.edge.procedures import ClientData
 from nestling.edge.service import UNIT_NAME, write_unit
 from nestling.errors import ConfigError, NestlingError
+from nestling.plugins import load_plugins
 
 _PARTITION_OPTIONS = {"dirichlet": ("alpha",), "balanced-dirichlet": ("alpha",), "scalefl": ("alpha",)}
 
@@ -173,6 +174,7 @@ def agent_main(argv: list[str]) -> int:
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True
     )  # the top-level CLI configured WARNING already
     try:
+        load_plugins()  # $NESTLING_PLUGINS (also when started as python -m nestling.edge.agent_cli)
         if args.action == "install-service":
             load_agent_config(args.config)  # refuse to install a unit that would fail at boot
             path = write_unit(args.config, args.out, user=args.user)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import NestlingError
+from nestling.plugins import load_plugins
 
 # subcommand → (module, function taking argv); modules are imported only when their command runs.
 EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        load_plugins()  # $NESTLING_PLUGINS: families, methods, procedures, board classes of the user's own
         if command == "simulate":
             return simulate_main(rest)
         if command == "demo":

@@ -8,6 +8,8 @@ ratios between classes are more trustworthy than absolute seconds.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -313,7 +315,55 @@ _BOARDS = (
     ),
 )
 
-BOARDS: MappingProxyType[str, BoardClass] = MappingProxyType({board.name: board for board in _BOARDS})
+_REGISTERED: dict[str, BoardClass] = {board.name: board for board in _BOARDS}
+# Every known class, shipped and registered (a read-only view: add classes with register_board).
+BOARDS: MappingProxyType[str, BoardClass] = MappingProxyType(_REGISTERED)
+_KINDS = ("board", "phone", "laptop")
+_UNITS = ("cpu", "gpu")
+
+
+def _check_board(board: BoardClass) -> None:
+    """Refuse a class whose figures cannot describe a device, naming the field."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", board.name):
+        raise ConfigError(f"board class name {board.name!r}: lowercase letters, digits, '.', '_' or '-'")
+    if board.kind not in _KINDS:
+        raise ConfigError(f"board class {board.name}: kind must be one of {_KINDS}, got {board.kind!r}")
+    if board.compute_unit not in _UNITS:
+        raise ConfigError(
+            f"board class {board.name}: compute_unit must be one of {_UNITS}, got {board.compute_unit!r}"
+        )
+    for field in ("ram_bytes", "memory_budget_bytes", "peak_gflops_fp32", "utilisation", "power_w"):
+        value = getattr(board, field)
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(
+                f"board class {board.name}: {field} must be a positive finite number, got {value!r}"
+            )
+    if board.memory_budget_bytes > board.ram_bytes:
+        raise ConfigError(f"board class {board.name}: memory_budget_bytes exceeds ram_bytes")
+    if board.utilisation > 1:
+        raise ConfigError(
+            f"board class {board.name}: utilisation is a share of the peak (<= 1), got {board.utilisation}"
+        )
+    if not board.sources:
+        raise ConfigError(f"board class {board.name}: give at least one source for its figures")
+
+
+def register_board(board: BoardClass) -> BoardClass:
+    """Add a class of device to the catalogue (emulation, trace generation, capacities by class); a name
+    already taken by another class is refused."""
+    _check_board(board)
+    known = _REGISTERED.get(board.name)
+    if known is not None and known != board:
+        raise ConfigError(f"board class '{board.name}' is already in the catalogue")
+    _REGISTERED[board.name] = board
+    return board
+
+
+def unregister_board(name: str) -> None:
+    """Remove a registered class (shipped classes stay)."""
+    if any(board.name == name for board in _BOARDS):
+        raise ConfigError(f"board class '{name}' ships with Nestling and cannot be removed")
+    _REGISTERED.pop(name, None)
 
 
 def get_board(name: str) -> BoardClass:
@@ -325,7 +375,7 @@ def get_board(name: str) -> BoardClass:
 
 
 def catalogue_markdown_table() -> str:
-    """The catalogue as the Markdown table in docs/devices.md, so the page cannot drift."""
+    """The shipped catalogue as the Markdown table in docs/devices.md, so the page cannot drift."""
     header = (
         "| class | what | RAM | training budget | FP32 peak (GFLOP/s) | utilisation | "
         "sustained (GFLOP/s) | down / up (Mbit/s) | latency (ms) | power (W) |\n"

@@ -15,6 +15,7 @@ import torch
 from nestling.edge.procedures import ClientData, DeviceStore
 from nestling.edge.store_state import stores_from_tensors, stores_to_tensors
 from nestling.messages import Result, Task
+from nestling.plugins import load_plugins
 from nestling.profiler.speed import samples_trained
 from nestling.simulator.batched import BatchPolicy, batch_key, run_tasks
 from nestling.simulator.packing import PackedState, pack_state
@@ -152,6 +153,7 @@ def _worker_init(
     factory: Callable[..., DataProvider], factory_args: dict[str, Any], policy: BatchPolicy
 ) -> None:
     global _WORKER
+    load_plugins()  # the parent's $NESTLING_PLUGINS: procedures a plugin registered run here too
     _WORKER = WorkerState(factory, factory_args, policy)
 
 
