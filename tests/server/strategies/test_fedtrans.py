@@ -239,3 +239,30 @@ def test_bad_options_are_refused_by_name(options: dict[str, Any], message: str) 
 def test_models_fedtrans_cannot_grow_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="grows ResNet-family models"):
         create_strategy("fedtrans", StrategyContext("vit", 10, 3, 32, 2, 2))
+
+
+def test_in_trace_replay_capacity_follows_each_boards_class(tmp_path: Path) -> None:
+    """rpi4 is the reference board (the seed model); phone-mid (4.3x) and laptop (8x) can afford grown models."""
+    from nestling.profiler.traces import DeviceTrace, save_traces
+    from nestling.simulator.run import run_simulation
+
+    classes = ["rpi4", "phone-mid", "laptop"]
+    traces = [
+        DeviceTrace(f"t{i}", classes[i % 3], 2**30, 1e6, 1e6, 0.01, gflops=0.05 * (i + 1)) for i in range(6)
+    ]
+    save_traces(traces, tmp_path / "fleet.jsonl")
+    cfg = sim_config(5)
+    cfg = config_from_dict(
+        {
+            **cfg.to_dict(),
+            "run": {**cfg.to_dict()["run"], "traces": str(tmp_path / "fleet.jsonl"), "eval_every": 5},
+        }
+    )
+    summary = run_simulation(cfg, tmp_path / "run")
+    report = summary["method_report"]["fedtrans"]
+    assert report["capacity_sources"] == {"speed": 6} and len(report["models"]) >= 2
+    reference = [d for i, d in enumerate(sorted(report["deployed"])) if classes[i % 3] == "rpi4"]
+    assert reference and all(report["deployed"][d] == "m0" for d in reference)
+    assert any(
+        model != "m0" for r in records(tmp_path / "run") for model in r["method"]["fedtrans"]["trained"]
+    )

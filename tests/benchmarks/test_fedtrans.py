@@ -1,0 +1,32 @@
+"""benchmarks/fedtrans.py runs end to end in --quick mode and prints its one-line verdict last."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_quick_mode_grows_a_family_and_prints_the_verdict_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fedtrans", "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    verdict = re.fullmatch(r"fedtrans_acc=([\d.]+) heterofl_acc=([\d.]+) mac_ratio=([\d.]+)", lines[-1])
+    assert verdict, lines[-1]
+    assert 0 < float(verdict.group(3)) < 10 and 0 <= float(verdict.group(1)) <= 100
+    family = next(line for line in lines if "family (id, parent" in line)
+    assert "('m1', 'm0'" in family  # the short run did grow the family
