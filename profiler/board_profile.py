@@ -162,11 +162,13 @@ def measured_board_profile(
 
 
 def _number(data: dict[str, Any], name: str, low: float, high: float, *, integer: bool = False) -> Any:
-    value = data.get(name)
+    value: Any = data.get(name)
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise ProfileError(name, f"must be {'an integer' if integer else 'a number'}, got {value!r:.40}")
-    if not math.isfinite(value) or not low <= value <= high:
+    # integers compare exactly (float(10**400) would overflow); floats must be finite
+    number: float | int = value if isinstance(value, int) else float(value if isinstance(value, float) else 0)
+    if (isinstance(number, float) and not math.isfinite(number)) or not low <= number <= high:
         raise ProfileError(name, f"must lie in [{low:g}, {high:g}], got {value!r:.40}")
     return value
 

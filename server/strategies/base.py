@@ -144,7 +144,9 @@ class Strategy(ABC):
             torch.manual_seed(ctx.seed)
             self.global_state: dict[str, torch.Tensor] = build(self.full_spec).state_dict()
         self.feedback = SpeedFeedback()  # observed / predicted training time per board (coordinator feeds it)
-        self._fits: dict[str, tuple[Fit, str]] = {}  # this round's sizing per board, and the spec id it chose
+        self._sizing: dict[
+            str, tuple[Fit, str]
+        ] = {}  # this round's sizing per board, and the spec id it chose
         self._chosen: dict[str, str] = {}  # the spec id each board's sizing chose last round (re-plans)
         self.setup()
 
@@ -181,7 +183,7 @@ class Strategy(ABC):
         board = self.board_of(device)
         if budget is None and (device.profile or {}).get("tier") is not None:
             if board is not None:
-                self._fits[device.device_id] = (Fit(-1, PINNED, 0, None), "")
+                self._sizing[device.device_id] = (Fit(-1, PINNED, 0, None), "")
             return None
         if budget is None and board is None:
             return None
@@ -199,7 +201,7 @@ class Strategy(ABC):
             speed=self.feedback.factor(device.device_id),
             current=current,
         )
-        self._fits[device.device_id] = (fit, specs[fit.index].id)
+        self._sizing[device.device_id] = (fit, specs[fit.index].id)
         return fit.index
 
     @property
@@ -246,7 +248,7 @@ class Strategy(ABC):
             task, board = tasks.get(device.device_id), self.board_of(device)
             if task is None or board is None:
                 continue
-            fit, chosen = self._fits.get(device.device_id, (None, ""))
+            fit, chosen = self._sizing.get(device.device_id, (None, ""))
             raw = board.train_seconds(
                 SubmodelSpec.from_dict(task.spec), samples_trained(task.hparams, device.num_samples)
             )
@@ -262,7 +264,7 @@ class Strategy(ABC):
                 "time_budget_s": self.time_budget_s,
                 "source": board.source,
             }
-            if chosen:
+            if fit is not None and chosen:
                 before = self._chosen.get(device.device_id)
                 if before is not None and before != chosen:
                     replans.append(
@@ -275,7 +277,7 @@ class Strategy(ABC):
                         }
                     )
                 self._chosen[device.device_id] = chosen
-        self._fits = {}
+        self._sizing = {}
         return plans, replans
 
     def observe_training(
