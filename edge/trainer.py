@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from nestling.edge.execution import apply_memory_format, task_precision
-from nestling.edge.procedures import ClientData, DeviceStore, get_procedure
+from nestling.edge.procedures import ClientData, DeviceStore, check_hparams, get_procedure
 from nestling.messages import Result, Task
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
@@ -35,6 +35,9 @@ def run_task(
     `prepare` may adapt the built model in place before training (the simulator compiles it)."""
     spec = SubmodelSpec.from_dict(task.spec)
     procedure = get_procedure(task.procedure)
+    check_hparams(
+        task.procedure, task.hparams
+    )  # a key it does not know or a value of the wrong type: refused
     started = time.perf_counter()
     use_cuda = torch.device(device).type == "cuda"
     if use_cuda:

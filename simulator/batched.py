@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from nestling.edge.execution import apply_memory_format, task_precision
-from nestling.edge.procedures import ClientData, DeviceStore, is_batchable
+from nestling.edge.procedures import ClientData, DeviceStore, check_hparams, is_batchable
 from nestling.edge.procedures.common import batches, make_optimizer
 from nestling.edge.trainer import run_task, task_generator
 from nestling.errors import ConfigError
@@ -106,6 +106,8 @@ def train_batched(
     if how not in ("auto", "grouped", "vmap"):
         raise ValueError(f"how must be auto, grouped or vmap, got {how!r}")
     started = time.perf_counter()
+    for task in tasks:
+        check_hparams(task.procedure, task.hparams)  # as run_task does
     rss_before = psutil.Process().memory_info().rss
     spec = SubmodelSpec.from_dict(tasks[0].spec)
     hp = {**tasks[0].hparams, "round": tasks[0].round}

@@ -37,6 +37,7 @@ from nestling.profiler.memory import (
     tensor_bytes,
 )
 from nestling.spec import SubmodelSpec
+from nestling.task_params import FedepthParams
 
 log = logging.getLogger("nestling.procedures")
 
@@ -304,7 +305,7 @@ def load_auxiliaries(
     return peers
 
 
-@register("fedepth")
+@register("fedepth", params=FedepthParams)
 def train_fedepth(
     model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:

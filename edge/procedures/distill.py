@@ -12,6 +12,7 @@ from nestling.edge.procedures.common import batches, make_optimizer, outputs_lis
 from nestling.edge.procedures.feddyn import FedDynTerm
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.net import ScalableNet
+from nestling.task_params import DepthflParams, ScaleflParams
 
 
 def depthfl_kd_weight(round_index: int, ramp_rounds: int = 300) -> float:
@@ -66,7 +67,7 @@ def scalefl_loss(
     return loss
 
 
-@register("depthfl-kd")
+@register("depthfl-kd", params=DepthflParams)
 def train_depthfl(
     model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:
@@ -89,7 +90,7 @@ def train_depthfl(
     return LocalOutcome(model, len(data), losses, len(losses), extra={"kd_weight": weight})
 
 
-@register("scalefl-sd")
+@register("scalefl-sd", params=ScaleflParams)
 def train_scalefl(
     model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:

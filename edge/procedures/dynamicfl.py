@@ -21,6 +21,7 @@ from nestling.edge.procedures.plain import train_sgd
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.net import ScalableNet
 from nestling.reparam import CutRule, DynamicState, ModulationPlan, find_sites, paper_round, released_round
+from nestling.task_params import DynamicflParams
 
 STORE_KEY = "dynamicfl"
 PROTOCOLS = ("paper", "released")
@@ -29,22 +30,24 @@ PROTOCOLS = ("paper", "released")
 def calibration_batches(data: ClientData, hp: dict[str, Any]) -> list[torch.Tensor]:
     """The first `recalibration_batches` local batches in data order (drawing no random numbers, so capacity 0
     trains exactly as plain SGD would)."""
-    batch = max(1, min(int(hp.get("batch_size", 32)), len(data)))
-    count = int(hp.get("recalibration_batches", 20))
+    params = DynamicflParams.from_hparams(hp)
+    batch = max(1, min(params.batch_size, len(data)))
+    count = params.recalibration_batches
     return [data.x[start : start + batch] for start in range(0, min(len(data), count * batch), batch)]
 
 
-@register("dynamicfl")
+@register("dynamicfl", params=DynamicflParams)
 def train_dynamicfl(
     model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:
-    capacity, protocol = int(hp.get("capacity", 0)), str(hp.get("protocol", "paper"))
+    typed = DynamicflParams.from_hparams(hp)
+    capacity, protocol = typed.capacity, typed.protocol
     if protocol not in PROTOCOLS:
         raise ValueError(f"dynamicfl protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if capacity < 0:
         raise ValueError(f"dynamicfl capacity must be >= 0, got {capacity}")
     # Each "epoch" of the round drivers is one pass of the task's batching: E epochs, or one pass of local_steps.
-    epochs = 1 if hp.get("local_steps") is not None else max(1, int(hp.get("local_epochs", 1)))
+    epochs = 1 if typed.local_steps is not None else max(1, typed.local_epochs)
     per_epoch = {**hp, "local_epochs": 1}
     if capacity == 0:  # plain local SGD, bit for bit; a board's stored structure waits for a capacity again
         plain = train_sgd(model, data, hp, store, generator)
@@ -62,7 +65,7 @@ def train_dynamicfl(
             current.update(ids=ids, optimizer=make_optimizer(params, hp))
         optimizer = current["optimizer"]
         net.train()
-        clip = hp.get("grad_clip")
+        clip = typed.grad_clip
         for x, y in batches(data, per_epoch, generator):
             loss = cross_entropy(outputs_list(net(x))[-1], y, hp)
             optimizer.zero_grad(set_to_none=True)
@@ -75,8 +78,7 @@ def train_dynamicfl(
 
     sites = find_sites(model, tuple(data.x.shape[1:]))
     calibration = calibration_batches(data, hp)
-    inner = hp.get("inner_width")
-    inner_width = None if inner is None else int(inner)
+    inner_width = typed.inner_width
     if protocol == "paper":
         state = DynamicState.from_store(store[STORE_KEY]) if STORE_KEY in store else DynamicState()
         outcome = paper_round(
@@ -86,13 +88,13 @@ def train_dynamicfl(
             capacity,
             epochs,
             train_epoch,
-            round_index=int(hp.get("round", state.round + 1)),
+            round_index=typed.round,
             calibration=calibration,
             generator=generator,
             inner_width=inner_width,
-            local_weight=float(hp.get("local_weight", 0.5)),
-            cut_rule=CutRule(float(hp.get("cut_spread", 0.02)), float(hp.get("cut_floor", 0.1))),
-            keep_branches=bool(hp.get("keep_branches", True)),
+            local_weight=typed.local_weight,
+            cut_rule=CutRule(typed.cut_spread, typed.cut_floor),
+            keep_branches=typed.keep_branches,
         )
         store[STORE_KEY] = state.to_store()
     else:

@@ -18,6 +18,7 @@ from nestling.edge.procedures.common import (
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.layers import set_active_width
 from nestling.models.net import ScalableNet
+from nestling.task_params import FjordParams
 
 
 def widths_up_to(p_max: float, levels: list[float]) -> list[float]:
@@ -28,7 +29,7 @@ def widths_up_to(p_max: float, levels: list[float]) -> list[float]:
     return allowed
 
 
-@register("fjord")
+@register("fjord", params=FjordParams)
 def train_fjord(
     model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:

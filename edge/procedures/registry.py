@@ -10,6 +10,7 @@ import torch
 
 from nestling.errors import ConfigError
 from nestling.models.net import ScalableNet
+from nestling.task_params import TrainParams
 
 
 @dataclass
@@ -44,21 +45,37 @@ class LocalOutcome:
 Procedure = Callable[[ScalableNet, ClientData, dict[str, Any], DeviceStore, torch.Generator], LocalOutcome]
 _PROCEDURES: dict[str, Procedure] = {}
 _BATCHABLE: set[str] = set()
+_PARAMS: dict[str, type[TrainParams]] = {}
 
 
-def register(name: str, *, batchable: bool = False) -> Callable[[Procedure], Procedure]:
+def register(
+    name: str, *, batchable: bool = False, params: type[TrainParams] = TrainParams
+) -> Callable[[Procedure], Procedure]:
     """Register a local procedure under `name`. `batchable`: the simulator's batched trainer
-    (simulator/batched.py) reproduces it exactly, so same-spec clients may share one vmapped step."""
+    (simulator/batched.py) reproduces it exactly, so same-spec clients may share one vmapped step.
+    `params`: the typed record of the hyper-parameters its tasks carry (nestling.task_params)."""
 
     def wrap(fn: Procedure) -> Procedure:
         if name in _PROCEDURES and _PROCEDURES[name] is not fn:
             raise ConfigError(f"local procedure '{name}' is registered twice")
         _PROCEDURES[name] = fn
+        _PARAMS[name] = params
         if batchable:
             _BATCHABLE.add(name)
         return fn
 
     return wrap
+
+
+def params_for(name: str) -> type[TrainParams]:
+    """The hyper-parameter record procedure `name` accepts."""
+    get_procedure(name)  # unknown names: the usual error
+    return _PARAMS[name]
+
+
+def check_hparams(procedure: str, hparams: dict[str, Any]) -> TrainParams:
+    """A task's hyper-parameters as its procedure's typed record; ConfigError naming a bad key or value."""
+    return params_for(procedure).from_hparams(hparams, procedure)
 
 
 register_procedure = register
@@ -67,6 +84,7 @@ register_procedure = register
 def unregister_procedure(name: str) -> None:
     """Forget procedure `name` (tests and plugins that define one for a while)."""
     _PROCEDURES.pop(name, None)
+    _PARAMS.pop(name, None)
     _BATCHABLE.discard(name)
 
 

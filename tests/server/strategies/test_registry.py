@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from nestling.cli import simulate_parser
 from nestling.edge.procedures import known_procedures
 from nestling.server.plan_methods import PLANNING_KINDS, plannable_methods
@@ -44,3 +46,46 @@ def test_plan_and_the_cli_list_what_the_classes_declare() -> None:
     assert plannable_methods() == {n: c.planning for n, c in STRATEGIES.items() if c.planning}
     help_text = simulate_parser().format_help()
     assert all(name in help_text for name in STRATEGIES)
+
+
+RUN_SHAPES = {
+    # what users run: options that add hyper-parameters (masked CE with label sets, FjORD's KD, m-FeDepth's
+    # auxiliaries, DynamicFL's inner width), and a run config with every optional training key set.
+    "heterofl": ("resnet20", {"masked_ce": True}),
+    "fjord": ("resnet20", {"kd": True}),
+    "fedepth": ("preresnet20", {}),
+    "m-fedepth": ("preresnet20", {"budgets": "surplus"}),
+    "dynamicfl": ("resnet20", {"inner_width": 8}),
+}
+
+
+@pytest.mark.parametrize("method", sorted(STRATEGIES))
+def test_every_methods_tasks_fit_its_procedures_typed_record(method: str) -> None:
+    from nestling.edge.procedures import check_hparams
+    from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
+
+    arch, options = RUN_SHAPES.get(method, ("resnet20", {}))
+    ctx = StrategyContext(
+        arch=arch,
+        num_classes=10,
+        in_channels=3,
+        image_size=32,
+        num_clients=6,
+        total_rounds=4,
+        local={
+            "local_epochs": 1,
+            "local_steps": 3,
+            "batch_size": 32,
+            "momentum": 0.9,
+            "weight_decay": 5e-4,
+            "grad_clip": 5.0,
+            "precision": "bf16",
+            "channels_last": True,
+        },
+        options=options,
+    )
+    strategy = create_strategy(method, ctx)
+    devices = [DeviceInfo(f"d{i}", i, 40, labels=(0, 1, 2)) for i in range(6)]
+    for round_index in (0, 3):
+        for task in strategy.assign(round_index, devices).values():
+            check_hparams(task.procedure, task.hparams)

@@ -1,0 +1,153 @@
+"""Typed hyper-parameter records of a task, one per local procedure.
+
+A task's `hparams` travel as JSON; each procedure declares the record it accepts (`register(..., params=…)`), so
+a board refuses a task whose hyper-parameters it does not know or whose values have the wrong type, naming the
+key, before it trains anything. The names are declared once, here, for the server that writes them and the board
+that reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypeVar
+
+from nestling.errors import ConfigError
+
+P = TypeVar("P", bound="TrainParams")
+
+
+def _accepts(kind: Any, value: Any) -> bool:
+    """Whether a JSON value fits a field annotation (int is not bool; float takes finite ints and floats)."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(arm, value) for arm in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is str:
+        return isinstance(value, str)
+    if kind is Any:
+        return True
+    if origin is list or kind is list:
+        args = typing.get_args(kind)
+        return isinstance(value, (list, tuple)) and (not args or all(_accepts(args[0], v) for v in value))
+    if origin is dict or kind is dict:
+        return isinstance(value, dict)
+    raise TypeError(f"unsupported hyper-parameter annotation {kind!r}")
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    """What every procedure reads: the optimiser, batching, clipping, loss masking, precision and the task's
+    place in the run. Defaults are the procedures' own when a key is absent."""
+
+    procedure: ClassVar[str] = "sgd"
+
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    local_epochs: int = 1
+    local_steps: int | None = None
+    grad_clip: float | None = None
+    masked_ce: bool = False
+    label_set: list[int] | None = None
+    precision: str = "fp32"
+    channels_last: bool = False
+    seed: int = 0
+    round: int = 0
+    total_rounds: int = 1
+
+    @classmethod
+    def from_hparams(cls: type[P], hp: dict[str, Any], procedure: str | None = None) -> P:
+        """The record of `hp`; a ConfigError names an unknown key or a value of the wrong type."""
+        name = procedure or cls.procedure
+        declared = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(hp) - set(declared))
+        if unknown:
+            raise ConfigError(
+                f"task hyper-parameters for procedure '{name}': unknown {unknown} (known: {', '.join(sorted(declared))})"
+            )
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for key, value in hp.items():
+            if not _accepts(hints[key], value):
+                raise ConfigError(
+                    f"task hyper-parameter '{key}' for procedure '{name}' must be {hints[key]}, got {value!r}"
+                )
+            values[key] = value
+        return cls(**values)
+
+    def to_hparams(self) -> dict[str, Any]:
+        """The JSON form a task carries (every field, defaults included)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FjordParams(TrainParams):
+    """FjORD's ordered dropout: the largest width p_max the board may sample, the width grid, self-distillation."""
+
+    procedure: ClassVar[str] = "fjord"
+    p_max: float = 1.0
+    widths: list[float] | None = None
+    fjord_kd: bool = False
+
+
+@dataclass(frozen=True)
+class DepthflParams(TrainParams):
+    """DepthFL's mutual self-distillation (ramped over kd_ramp_rounds) and FedDyn's α."""
+
+    procedure: ClassVar[str] = "depthfl-kd"
+    kd: bool = True
+    kd_ramp_rounds: int = 300
+    feddyn_alpha: float = 0.0
+
+
+@dataclass(frozen=True)
+class ScaleflParams(TrainParams):
+    """ScaleFL's self-distillation: weight γ, temperature, and when it starts (a share of the rounds)."""
+
+    procedure: ClassVar[str] = "scalefl-sd"
+    kd_gamma: float = 0.0
+    kd_temperature: float = 3.0
+    kd_start_fraction: float = 0.25
+
+
+@dataclass(frozen=True)
+class FedepthParams(TrainParams):
+    """FeDepth's stage plan and its training rules; m-FeDepth's auxiliary models."""
+
+    procedure: ClassVar[str] = "fedepth"
+    plan: dict[str, Any] | None = None
+    models: int = 1
+    variant: str = "skip"
+    stage_steps: str | int = "full"
+    kd_weight: float = 1.0
+    aggregate_bypassed: bool = True
+    stem_every_stage: bool = False
+    tier: int = 0
+    initial_model: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class DynamicflParams(TrainParams):
+    """DynamicFL: how many convs the board may expand and the modulation rules (METHODS §5.a.5)."""
+
+    procedure: ClassVar[str] = "dynamicfl"
+    capacity: int = 0
+    protocol: str = "paper"
+    local_weight: float = 0.5
+    cut_spread: float = 0.02
+    cut_floor: float = 0.1
+    keep_branches: bool = True
+    recalibration_batches: int = 20
+    inner_width: int | None = None
