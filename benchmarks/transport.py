@@ -23,15 +23,6 @@ from pathlib import Path
 
 import torch
 
-from nestling.fleet_messages import (
-    REHELLO,
-    DeviceStatus,
-    decode_task,
-    encode_hello,
-    encode_result,
-    encode_status,
-)
-from nestling.fleet_transfers import Inbound, Outbound
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
@@ -44,7 +35,16 @@ from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.spec import SubmodelSpec
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, decode_message, read_header
+from nestling.wire.fleet_messages import (
+    REHELLO,
+    DeviceStatus,
+    decode_task,
+    encode_hello,
+    encode_result,
+    encode_status,
+)
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
+from nestling.wire.transfers import Inbound, Outbound
 
 FLEET = "bench"
 REPO = Path(__file__).resolve().parents[1]

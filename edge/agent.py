@@ -27,8 +27,13 @@ from nestling.edge.self_profile import CACHE_NAME, ProfileInputs, board_profile
 from nestling.edge.store_state import load_store_file, save_store_file
 from nestling.edge.trainer import run_task
 from nestling.errors import NestlingError, WireError
-from nestling.fleet_export import EXPORT, ExportOrder, decode_export_order, encode_export_report
-from nestling.fleet_messages import (
+from nestling.messages import Result, Task
+from nestling.profiler.board_profile import BoardProfile
+from nestling.profiler.estimator import estimate
+from nestling.spec import SubmodelSpec
+from nestling.wire.codec import CHUNK_KIND, CHUNK_REQUEST_KIND, decode_message, read_header
+from nestling.wire.export_messages import EXPORT, ExportOrder, decode_export_order, encode_export_report
+from nestling.wire.fleet_messages import (
     REHELLO,
     DeviceStatus,
     decode_server_status,
@@ -37,13 +42,8 @@ from nestling.fleet_messages import (
     encode_result,
     encode_status,
 )
-from nestling.fleet_transfers import Inbound, Outbound
-from nestling.messages import Result, Task
-from nestling.profiler.board_profile import BoardProfile
-from nestling.profiler.estimator import estimate
-from nestling.spec import SubmodelSpec
-from nestling.wire.codec import CHUNK_KIND, CHUNK_REQUEST_KIND, decode_message, read_header
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
+from nestling.wire.transfers import Inbound, Outbound
 
 log = logging.getLogger("nestling.agent")
 

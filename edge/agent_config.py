@@ -8,7 +8,7 @@ from typing import Any
 
 from nestling.edge.export_settings import ExportSection
 from nestling.errors import ConfigError
-from nestling.fleet_config import BrokerSettings, read_table, read_toml
+from nestling.wire.broker_settings import BrokerSettings, read_table, read_toml
 from nestling.wire.topics import validate_id
 
 

@@ -24,10 +24,10 @@ from nestling.eval_target import EvalTarget
 from nestling.export.bundle import MANIFEST_NAME, read_bundle
 from nestling.export.options import ExportData, ExportOptions, load_export_data
 from nestling.export.tensorrt_build import TensorRTConfig, require_tensorrt
-from nestling.fleet_export import ExportOrder, ExportReport, cut
 from nestling.hashing import sha256_file
 from nestling.spec import SubmodelSpec
 from nestling.wire.codec import check_finite
+from nestling.wire.export_messages import ExportOrder, ExportReport, cut
 
 log = logging.getLogger("nestling.agent.export")
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nestling.fleet_export import ExportOrder, ExportReport
 from nestling.server.registry import DeviceRecord
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.slicing import extract
+from nestling.wire.export_messages import ExportOrder, ExportReport
 
 NO_REPORT, NOT_REQUESTED, OFFLINE = "no report", "not requested", "offline"
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from nestling.config import SimConfig, config_from_dict
 from nestling.errors import ConfigError
-from nestling.fleet_config import BrokerSettings, read_table, read_toml
+from nestling.wire.broker_settings import BrokerSettings, read_table, read_toml
 from nestling.wire.topics import validate_id
 
 # A fleet loses devices mid-round, so its defaults differ from a simulation's (see docs/deploy.md).

@@ -19,24 +19,6 @@ from typing import Any
 import paho.mqtt.client as mqtt
 
 from nestling.errors import ConfigError, NestlingError, WireError
-from nestling.fleet_export import (
-    EXPORT_REPORT,
-    ExportOrder,
-    ExportReport,
-    decode_export_report,
-    encode_export_order,
-)
-from nestling.fleet_messages import (
-    RESULT,
-    ServerStatus,
-    decode_hello,
-    decode_result,
-    decode_status,
-    encode_rehello,
-    encode_server_status,
-    encode_task,
-)
-from nestling.fleet_transfers import Inbound, Outbound
 from nestling.messages import Result, Task
 from nestling.server.clock import Clock
 from nestling.server.deployables import ExportLedger
@@ -59,8 +41,26 @@ from nestling.wire.codec import (
     decode_message,
     read_header,
 )
+from nestling.wire.export_messages import (
+    EXPORT_REPORT,
+    ExportOrder,
+    ExportReport,
+    decode_export_report,
+    encode_export_order,
+)
+from nestling.wire.fleet_messages import (
+    RESULT,
+    ServerStatus,
+    decode_hello,
+    decode_result,
+    decode_status,
+    encode_rehello,
+    encode_server_status,
+    encode_task,
+)
 from nestling.wire.topics import HELLO, OFFLINE, QOS, STATUS, FleetTopics, parse_topic
 from nestling.wire.topics import RESULT as RESULT_CHANNEL
+from nestling.wire.transfers import Inbound, Outbound
 
 log = logging.getLogger("nestling.mqtt")
 

@@ -13,15 +13,6 @@ from nestling.edge.agent import Agent
 from nestling.edge.agent_config import agent_config_from_dict
 from nestling.edge.procedures import ClientData
 from nestling.errors import ConfigError
-from nestling.fleet_messages import (
-    ServerStatus,
-    decode_hello,
-    decode_result,
-    encode_rehello,
-    encode_server_status,
-    encode_task,
-)
-from nestling.fleet_transfers import Inbound
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo
@@ -29,7 +20,16 @@ from nestling.spec import SubmodelSpec
 from nestling.wire.chunking import decode_chunk_request, encode_chunk_request, split_into_chunks
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, CHUNK_REQUEST_KIND, decode_message, read_header
+from nestling.wire.fleet_messages import (
+    ServerStatus,
+    decode_hello,
+    decode_result,
+    encode_rehello,
+    encode_server_status,
+    encode_task,
+)
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics, parse_topic
+from nestling.wire.transfers import Inbound
 
 FLEET = "edge"
 DEVICE = "board-7"

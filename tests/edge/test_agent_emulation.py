@@ -15,14 +15,6 @@ from nestling.edge.agent_config import DeviceSection, agent_config_from_dict, lo
 from nestling.edge.emulation import EmulationTarget
 from nestling.edge.procedures import ClientData
 from nestling.errors import ConfigError
-from nestling.fleet_messages import (
-    ServerStatus,
-    decode_hello,
-    decode_result,
-    encode_server_status,
-    encode_task,
-)
-from nestling.fleet_transfers import Inbound
 from nestling.profiler.catalogue import BOARDS, get_board
 from nestling.profiler.speed import SpeedFigures
 from nestling.profiler.traces import DeviceTrace, save_traces
@@ -33,7 +25,15 @@ from nestling.simulator.durations import TraceDurations
 from nestling.wire.chunking import split_into_chunks
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, decode_message, read_header
+from nestling.wire.fleet_messages import (
+    ServerStatus,
+    decode_hello,
+    decode_result,
+    encode_server_status,
+    encode_task,
+)
 from nestling.wire.topics import QOS, FleetTopics, parse_topic
+from nestling.wire.transfers import Inbound
 
 FLEET = "emul"
 DEVICE = "slow-1"

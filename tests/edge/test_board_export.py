@@ -19,7 +19,6 @@ from nestling.errors import ConfigError
 from nestling.export.bundle import read_bundle
 from nestling.export.infer import BundleRunner
 from nestling.export.tensorrt_build import _cuda_available
-from nestling.fleet_export import ExportOrder
 from nestling.hashing import sha256_file
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.clock import WallClock
@@ -29,6 +28,7 @@ from nestling.server.registry import DeviceRegistry
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo
 from nestling.wire.client import make_client
+from nestling.wire.export_messages import ExportOrder
 from nestling.wire.topics import OFFLINE, FleetTopics
 
 torch.set_num_threads(1)

@@ -16,13 +16,13 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import torch
 
-from nestling.fleet_messages import decode_server_status, decode_task, encode_hello, encode_result
-from nestling.fleet_transfers import Inbound
 from nestling.messages import Result, Task
 from nestling.wire.chunking import decode_chunk_request, split_into_chunks
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, decode_message, read_header
+from nestling.wire.fleet_messages import decode_server_status, decode_task, encode_hello, encode_result
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
+from nestling.wire.transfers import Inbound
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

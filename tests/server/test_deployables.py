@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from nestling.errors import ConfigError
-from nestling.fleet_export import ExportReport
 from nestling.server.deployables import (
     ExportLedger,
     deployable_rows,
@@ -21,6 +20,7 @@ from nestling.server.fleet_config import fleet_config_from_dict
 from nestling.server.registry import DeviceRecord
 from nestling.server.strategies import create_strategy
 from nestling.server.strategies.base import DeviceInfo
+from nestling.wire.export_messages import ExportReport
 
 ASKS = {"export": {"on_finish": True, "format": "onnx"}}
 

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from nestling.fleet_messages import DeviceStatus, encode_hello, encode_result, encode_status
 from nestling.messages import Result
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.screening import RobustPolicy, largest_magnitude
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import encode_message
+from nestling.wire.fleet_messages import DeviceStatus, encode_hello, encode_result, encode_status
 from nestling.wire.topics import QOS, FleetTopics
 from tests.server.fleet_harness import wait_until
 from tests.server.robust_harness import (

@@ -19,8 +19,6 @@ import torch
 
 from nestling.data import load_dataset
 from nestling.export.infer import infer_main
-from nestling.fleet_export import ExportReport, decode_export_order, encode_export_report
-from nestling.fleet_transfers import Inbound
 from nestling.hashing import sha256_file
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.clock import WallClock
@@ -33,7 +31,9 @@ from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.wire.chunking import encode_chunk_request
 from nestling.wire.client import make_client
 from nestling.wire.codec import CHUNK_KIND, decode_message, encode_message, read_header
+from nestling.wire.export_messages import ExportReport, decode_export_order, encode_export_report
 from nestling.wire.topics import OFFLINE, FleetTopics
+from nestling.wire.transfers import Inbound
 from tests.server.fleet_harness import FakeDevice, agent_toml, fleet_toml, spawn, stop_all
 
 FLEET = "export-e2e"

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from nestling.fleet_messages import DeviceStatus, encode_hello, encode_result, encode_status
 from nestling.messages import Result, Task
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.clock import WallClock
@@ -20,6 +19,7 @@ from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.wire.chunking import encode_chunk_request, split_into_chunks
 from nestling.wire.client import connect_and_wait, make_client
 from nestling.wire.codec import CHUNK_KIND, encode_message, pack_frame
+from nestling.wire.fleet_messages import DeviceStatus, encode_hello, encode_result, encode_status
 from nestling.wire.topics import OFFLINE, QOS, FleetTopics
 from tests.server.fleet_harness import FakeDevice, echo_result, state_copy, wait_until
 

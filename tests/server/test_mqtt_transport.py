@@ -9,7 +9,6 @@ from itertools import count
 import pytest
 import torch
 
-from nestling.fleet_messages import DeviceStatus, encode_hello, encode_result, encode_status
 from nestling.messages import Task
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.clock import WallClock
@@ -18,6 +17,7 @@ from nestling.server.registry import DeviceRegistry
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.wire.client import make_client
 from nestling.wire.codec import pack_frame, read_header
+from nestling.wire.fleet_messages import DeviceStatus, encode_hello, encode_result, encode_status
 from nestling.wire.topics import OFFLINE, FleetTopics
 from tests.server.fleet_harness import FakeDevice, echo_result
 

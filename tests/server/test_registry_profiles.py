@@ -8,11 +8,11 @@ import math
 import pytest
 
 from nestling.errors import WireError
-from nestling.fleet_messages import CONTROL_BYTES, decode_hello, encode_hello
 from nestling.models.config import ModelConfig
 from nestling.profiler.board_profile import MAX_PARTS, emulated_board_profile
 from nestling.server.registry import DeviceRegistry
 from nestling.spec import SubmodelSpec
+from nestling.wire.fleet_messages import CONTROL_BYTES, decode_hello, encode_hello
 
 MODEL = ModelConfig("resnet20", in_channels=1, image_size=16)
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from nestling.errors import WireError
-from nestling.fleet_export import (
+from nestling.models.config import ModelConfig
+from nestling.spec import SubmodelSpec
+from nestling.wire.codec import decode_message, encode_message
+from nestling.wire.export_messages import (
     ExportOrder,
     ExportReport,
     decode_export_order,
@@ -14,10 +17,7 @@ from nestling.fleet_export import (
     encode_export_order,
     encode_export_report,
 )
-from nestling.fleet_messages import CONTROL_BYTES
-from nestling.models.config import ModelConfig
-from nestling.spec import SubmodelSpec
-from nestling.wire.codec import decode_message, encode_message
+from nestling.wire.fleet_messages import CONTROL_BYTES
 
 SPEC = SubmodelSpec(ModelConfig(arch="tinycnn", num_classes=10, in_channels=1, image_size=16), width=0.5)
 SHA = "ab" * 32

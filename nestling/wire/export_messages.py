@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from nestling.errors import WireError
-from nestling.fleet_messages import CONTROL_BYTES, _expect, _json_safe, _require, _short
 from nestling.wire.codec import Message, decode_message, encode_message
+from nestling.wire.fleet_messages import CONTROL_BYTES, _expect, _json_safe, _require, _short
 
 EXPORT, EXPORT_REPORT = "export", "export_report"
 REPORT_STATUSES = ("ok", "failed")
