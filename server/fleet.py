@@ -58,8 +58,7 @@ def make_strategy(cfg: FleetConfig, num_classes: int, input_shape: tuple[int, in
         local=cfg.run.train.local_hparams(),
         options=dict(cfg.run.method.options),
         model_extra=dict(cfg.run.model.extra),
-        deadline_s=run.deadline_s,  # boards that sent a measured profile are sized to fit it ...
-        train_share=run.train_share,  # ... its training share
+        deadline_s=run.deadline_s,  # boards that sent a measured profile are sized to fit it
     )
     return create_strategy(cfg.run.method.name, ctx)
 

@@ -90,8 +90,6 @@ class StrategyContext:
             "options": dict(self.options),
             "model_extra": dict(self.model_extra),
             "dataset": self.dataset,
-            "deadline_s": self.deadline_s,
-            "train_share": self.train_share,
         }
 
     @classmethod
@@ -108,8 +106,6 @@ class StrategyContext:
             "options",
             "model_extra",
             "dataset",
-            "deadline_s",
-            "train_share",
         }
         return cls(**{k: v for k, v in record.items() if k in known})
 
