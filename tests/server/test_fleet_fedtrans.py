@@ -16,7 +16,7 @@ from nestling.server.fleet_config import load_fleet_config
 from tests.server.fleet_harness import fleet_toml, metrics, start_agents, stop_all
 
 AGENTS = 4
-GROW_FAST = "gamma = 1\ndelta = 1\nbeta = 10.0\ncapacities = [1, 8]"
+GROW_FAST = "gamma = 1\ndelta = 1\nbeta = 10.0\ncapacities = [8]"  # every board may draw every model
 
 
 @pytest.mark.slow  # four agent processes and a server: about a minute on this 2-core machine
