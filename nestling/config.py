@@ -87,6 +87,9 @@ class RunSection:
     over_selection: float = 1.0
     quorum: float = 1.0
     deadline_s: float | None = None
+    # Share of deadline_s a board's local training is planned for (profiler/fit.py sizes measured boards to
+    # it; the rest is transfers and waiting): a generous deadline with a small share plans tight and waits long.
+    train_share: float = 0.7
     traces: str | None = None  # device trace file: replay on a virtual clock (docs/simulator.md)
     backend: str = "auto"  # auto (pool when workers > 1), inprocess, pool, ray
     batching: str = "off"  # train same-spec clients of a round together: off, on, auto (only when faster)
@@ -135,6 +138,7 @@ class SimConfig:
             (self.run.workers >= 0, "[run] workers must be >= 0"),
             (self.run.over_selection >= 1.0, "[run] over_selection must be >= 1"),
             (0.0 < self.run.quorum <= 1.0, "[run] quorum must be in (0, 1]"),
+            (0.0 < self.run.train_share <= 1.0, "[run] train_share must be in (0, 1]"),
             (self.data.alpha > 0, "[data] alpha must be > 0"),
             (self.run.backend in BACKENDS, f"[run] backend must be one of {', '.join(BACKENDS)}"),
             (self.run.batching in BATCHING, f"[run] batching must be one of {', '.join(BATCHING)}"),

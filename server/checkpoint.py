@@ -104,6 +104,7 @@ def save_strategy_checkpoint(
     manifest = {
         "method": strategy.name,
         "strategy": strategy.state_meta(),
+        "planning": strategy.planning_state(),  # the closed loop's speed factors and last choices
         "seed": seed,
         "totals": dict(totals or {}),
         "model": strategy.model.to_dict(),

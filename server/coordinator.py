@@ -485,6 +485,7 @@ class Coordinator:
                 f"checkpoint is for method '{manifest.get('method')}', not '{self.strategy.name}'"
             )
         self.strategy.load_state(tensors, manifest.get("strategy", {}))
+        self.strategy.load_planning_state(manifest.get("planning") or {})
         if self.side:
             self.side.restore(load_checkpoint_side(path, self.side.name) or {})
         self.totals.update(manifest.get("totals", {}))

@@ -22,6 +22,7 @@ from nestling.server.deployables import deployable_rows, deployables_table, expo
 from nestling.server.evaluation import Evaluator
 from nestling.server.fleet_config import FleetConfig, load_fleet_config
 from nestling.server.mqtt_transport import MqttTransport, TransportSettings
+from nestling.server.plan_summary import print_plan_table
 from nestling.server.registry import DeviceRegistry, emulated_class
 from nestling.server.run_report import plot_accuracy, read_metrics, summarise, write_summary
 from nestling.server.screening import robust_policy
@@ -58,7 +59,8 @@ def make_strategy(cfg: FleetConfig, num_classes: int, input_shape: tuple[int, in
         local=cfg.run.train.local_hparams(),
         options=dict(cfg.run.method.options),
         model_extra=dict(cfg.run.model.extra),
-        deadline_s=run.deadline_s,  # boards that sent a measured profile are sized to fit it
+        deadline_s=run.deadline_s,  # boards that sent a measured profile are sized to fit it ...
+        train_share=run.train_share,  # ... its training share
     )
     return create_strategy(cfg.run.method.name, ctx)
 
@@ -72,6 +74,9 @@ def round_line(record: RoundRecord, total: int) -> str:
     for count, what in ((rejected, "rejected"), (record.counters.get("dropouts", 0), "dropped")):
         if count:
             notes.append(f"{count} {what}")
+    if record.replans:  # a board's speed drifted (or it ran out of memory): it trains another submodel now
+        moved = ", ".join(f"{r['device']} ({r['reason']})" for r in record.replans)
+        notes.append(f"re-planned {moved}")
     accuracies = " ".join(f"{s['name']} {100 * s['accuracy']:.1f}%" for s in record.submodels)
     return f"round {record.round + 1}/{total}: {', '.join(notes)}, {record.wall_seconds:.1f}s  {accuracies}"
 
@@ -243,6 +248,7 @@ def server_main(argv: list[str]) -> int:
     except NestlingError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    print_plan_table(summary)
     print(
         f"done: {summary['rounds']} rounds, worst {summary['worst_accuracy']}, avg {summary['avg_accuracy']}",
         flush=True,

@@ -1,8 +1,11 @@
-"""`nestling demo`: an embedded broker, a server and four agent processes with different memory budgets.
+"""`nestling demo`: an embedded broker, a server and four agent processes emulating four unequal boards.
 
-Each budget buys a different NeFL-WD submodel (the strategy sizes by budget with profiler/planner.py),
-so one command shows the whole deployment path — registration, chunked tasks, training on four
-"boards", nested aggregation — and ends with the per-submodel accuracy table. Nothing to install.
+No budget is typed anywhere: each agent emulates a board class (`[device] emulate`), reports that class's
+profile in its hello (edge/self_profile.py), and the server gives each board the largest NeFL-WD submodel whose
+training memory fits what the board reported and whose predicted training time fits the round's training budget
+(profiler/fit.py) — four classes, four submodels, and the reason for each. One command shows the whole
+deployment path — registration, profiles, chunked tasks, training on four "boards", nested aggregation,
+predicted vs observed training time — and ends with the per-submodel accuracy table. Nothing to install.
 """
 
 from __future__ import annotations
@@ -20,17 +23,37 @@ from rich.console import Console
 from rich.table import Table
 
 from nestling.errors import NestlingError
+from nestling.plugins import ENV as PLUGINS_ENV
+from nestling.profiler.demo_boards import DEMO_BOARDS
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.fleet import run_fleet
 from nestling.server.fleet_config import load_fleet_config
+from nestling.server.plan_summary import print_plan_table
 
 FLEET = "demo"
-BUDGETS_MB = (
-    9,
-    12,
-    16,
-    24,
-)  # ResNet-20 on 16x16 digits, batch 32: the planner puts k1..k5 at 8.5/10.3/15.9/17.2/17.7 MB
+BOARD_CLASSES = tuple(board.name for board in DEMO_BOARDS)  # slowest first; profiler/demo_boards.py
+# Seconds of local training the planner allots per sample trained. ResNet-20 on 16x16 digits, batch 32: the
+# classes' profiles then put demo-slow on k1 and demo-medium on k2 (time-bound), demo-fast-lowmem on k3
+# (memory-bound: 16.8 MiB reported) and demo-fast on the full model; each keeps its submodel until the host
+# runs it over 1.4x slower than its class. Every prediction is linear in the samples, so the plan does not
+# depend on --local-steps.
+PLAN_S_PER_SAMPLE = 0.029
+# The collection deadline is generous (a loaded CI host, torch warm-up on the first task): the plan targets
+# PLAN_S_PER_SAMPLE x samples of training through [run] train_share, the round waits for up to DEADLINE_S.
+DEADLINE_S = 30.0
+MODULE = "nestling.profiler.demo_boards"
+
+
+def train_share(local_steps: int, batch: int = 32) -> float:
+    """[run] train_share that gives PLAN_S_PER_SAMPLE seconds per sample trained within DEADLINE_S."""
+    if local_steps < 1:
+        raise NestlingError(f"--local-steps must be >= 1, got {local_steps}")
+    share = PLAN_S_PER_SAMPLE * local_steps * batch / DEADLINE_S
+    if share > 1:
+        raise NestlingError(
+            f"--local-steps {local_steps} plans more training than the {DEADLINE_S:.0f} s deadline"
+        )
+    return round(share, 6)
 
 
 def fleet_toml(url: str, args: argparse.Namespace) -> str:
@@ -39,11 +62,12 @@ def fleet_toml(url: str, args: argparse.Namespace) -> str:
         url = "{url}"
         fleet = "{FLEET}"
         [fleet]
-        devices = {len(BUDGETS_MB)}
+        devices = {len(BOARD_CLASSES)}
         registration_timeout_s = 180
         [run]
         rounds = {args.rounds}
-        deadline_s = 300
+        deadline_s = {DEADLINE_S}
+        train_share = {train_share(args.local_steps)}
         out_dir = "out"
         [data]
         dataset = "digits"
@@ -51,10 +75,10 @@ def fleet_toml(url: str, args: argparse.Namespace) -> str:
         arch = "{args.model}"
         [method]
         name = "nefl-wd"
-        flex = 0  # a board trains exactly the submodel its budget buys, never a larger one
+        flex = 0  # a board trains exactly the submodel it is sized to, never a larger one
         [train]
         fraction = 1.0
-        local_epochs = {args.local_epochs}
+        local_steps = {args.local_steps}
         batch_size = 32
         lr = {args.lr}
         momentum = 0.9
@@ -62,29 +86,30 @@ def fleet_toml(url: str, args: argparse.Namespace) -> str:
         """)
 
 
-def agent_toml(url: str, index: int, budget_mb: int) -> str:
+def agent_toml(url: str, index: int, board: str) -> str:
     return textwrap.dedent(f"""\
         [broker]
         url = "{url}"
         fleet = "{FLEET}"
         [device]
         id = "board-{index}"
-        memory_budget_mb = {budget_mb}
+        emulate = "{board}"
         [data]
         dataset = "digits"
         client_index = {index}
-        num_clients = {len(BUDGETS_MB)}
+        num_clients = {len(BOARD_CLASSES)}
         [agent]
         heartbeat_s = 2.0
         """)
 
 
 def start_agents(url: str, work: Path) -> list[subprocess.Popen]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per board process
+    plugins = ",".join(filter(None, (os.environ.get(PLUGINS_ENV, ""), MODULE)))  # the demo classes
+    env = {**os.environ, "OMP_NUM_THREADS": "1", PLUGINS_ENV: plugins}  # one torch thread per board process
     agents = []
-    for index, budget in enumerate(BUDGETS_MB):
+    for index, board in enumerate(BOARD_CLASSES):
         config = work / f"agent-{index}.toml"
-        config.write_text(agent_toml(url, index, budget))
+        config.write_text(agent_toml(url, index, board))
         with (work / f"agent-{index}.log").open("wb") as log:
             agents.append(
                 subprocess.Popen(
@@ -109,7 +134,7 @@ def stop_agents(agents: list[subprocess.Popen]) -> None:
 
 def print_table(summary: dict[str, Any]) -> None:
     """Per-submodel accuracy, size and which boards trained it."""
-    budgets = {f"board-{i}": mb for i, mb in enumerate(BUDGETS_MB)}
+    classes = {f"board-{i}": name for i, name in enumerate(BOARD_CLASSES)}
     table = Table(
         title=f"NeFL-WD on a 4-board fleet · {summary['model']} · digits · {summary['rounds']} rounds"
     )
@@ -117,9 +142,7 @@ def print_table(summary: dict[str, Any]) -> None:
         table.add_column(column, justify="left" if column in ("submodel", "trained by") else "right")
     trained = []
     for sub in summary["submodels"]:
-        boards = ", ".join(
-            f"{d} ({budgets.get(d, '?')} MB)" for d in summary["trained_by"].get(sub["id"], [])
-        )
+        boards = ", ".join(f"{d} ({classes.get(d, '?')})" for d in summary["trained_by"].get(sub["id"], []))
         if boards:
             trained.append(sub["accuracy"])
         table.add_row(
@@ -127,10 +150,11 @@ def print_table(summary: dict[str, Any]) -> None:
             f"{sub['parameters']:,}",
             f"{sub['macs']:,}",
             f"{100 * sub['accuracy']:.1f}%",
-            boards or "no board's budget lands here",
+            boards or "no board is sized to it",
         )
     console = Console()
     console.print(table)
+    print_plan_table(summary, console, classes)
     transport = summary["transport"]
     rejected = sum(v for k, v in transport.items() if k.startswith("rejected_"))
     if trained:
@@ -149,7 +173,7 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument(
         "--model", default="resnet20", help="any zoo model with a NeFL family (tinycnn is faster)"
     )
-    parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--local-steps", type=int, default=5, help="SGD steps per board per round")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--out", type=Path, default=Path("runs/demo-fleet"))
     args = parser.parse_args(argv)
@@ -160,7 +184,8 @@ def demo_main(argv: list[str]) -> int:
         with EmbeddedBroker() as broker:
             (work / "fleet.toml").write_text(fleet_toml(broker.url, args))
             print(
-                f"embedded broker on {broker.url}; boards with {', '.join(map(str, BUDGETS_MB))} MB budgets; "
+                f"embedded broker on {broker.url}; boards emulating {', '.join(BOARD_CLASSES)} (no budgets: "
+                "each is sized by the profile it reports); "
                 f"logs in {work}",
                 flush=True,
             )

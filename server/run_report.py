@@ -8,6 +8,8 @@ from typing import Any
 
 import matplotlib
 
+from nestling.server.plan_summary import summarise_plans
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
@@ -84,4 +86,5 @@ def summarise(records: list[dict[str, Any]], config: dict[str, Any], wall_second
             for s in final
         ],
         "config": config,
+        **summarise_plans(records),  # per-board plans and re-plans, when boards were planned from profiles
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -90,6 +91,8 @@ class StrategyContext:
             "options": dict(self.options),
             "model_extra": dict(self.model_extra),
             "dataset": self.dataset,
+            "deadline_s": self.deadline_s,
+            "train_share": self.train_share,
         }
 
     @classmethod
@@ -106,6 +109,8 @@ class StrategyContext:
             "options",
             "model_extra",
             "dataset",
+            "deadline_s",
+            "train_share",
         }
         return cls(**{k: v for k, v in record.items() if k in known})
 
@@ -291,6 +296,24 @@ class Strategy(ABC):
                 continue
             plan["observed_s"], plan["censored"] = seconds, censored
             plan["speed_after"] = self.feedback.observe(device_id, plan["raw_predicted_s"], seconds, censored)
+
+    def planning_state(self) -> dict[str, Any]:
+        """What the closed loop learned, for checkpoints: each board's speed factor and the spec its sizing
+        chose last (a resumed run plans, corrects and reports re-plans exactly as an uninterrupted one)."""
+        return {"speed": dict(self.feedback.factors), "chosen": dict(self._chosen)}
+
+    def load_planning_state(self, state: dict[str, Any]) -> None:
+        """Restore `planning_state`; a checkpoint from before the closed loop restores nothing."""
+        speed, chosen = state.get("speed", {}), state.get("chosen", {})
+        if not isinstance(speed, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+            for v in speed.values()
+        ):
+            raise ConfigError("checkpoint planning.speed must map boards to positive speed factors")
+        if not isinstance(chosen, dict) or not all(isinstance(v, str) for v in chosen.values()):
+            raise ConfigError("checkpoint planning.chosen must map boards to spec ids")
+        self.feedback.factors = {str(k): float(v) for k, v in speed.items()}
+        self._chosen = {str(k): v for k, v in chosen.items()}
 
     # -- shared machinery ---------------------------------------------------------------------
     def round_rng(self, round_index: int, salt: int = 0) -> np.random.Generator:

@@ -92,6 +92,8 @@ def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
         ({"train": {"fraction": 0.0}}, r"\[train\] fraction must be in \(0, 1\]"),
         ({"run": {"quorum": 1.5}}, r"\[run\] quorum"),
         ({"run": {"over_selection": 0.5}}, r"\[run\] over_selection"),
+        ({"run": {"train_share": 0.0}}, r"\[run\] train_share must be in \(0, 1\]"),
+        ({"run": {"train_share": 1.5}}, r"\[run\] train_share must be in \(0, 1\]"),
         ({"data": {"alpha": 0}}, r"\[data\] alpha"),
     ],
 )

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from nestling.errors import ConfigError
 from nestling.profiler.board_profile import emulated_board_profile
 from nestling.profiler.catalogue import get_board
 from nestling.profiler.estimator import estimate
@@ -102,3 +103,22 @@ def test_fedepth_decomposes_by_the_memory_a_board_measured() -> None:
     plans, _ = strategy.plan_report(0, [tight], strategy.assign(0, [tight]))
     assert plans[tight.device_id]["reason"] == "decomposed by memory"
     assert plans[tight.device_id]["budget_bytes"] == 12 * 2**20
+
+
+def test_the_planning_state_a_checkpoint_keeps_round_trips_and_bad_values_are_named() -> None:
+    strategy = create_strategy("nefl-wd", context(None))
+    devices = fleet(strategy)
+    strategy.feedback.observe(devices[0].device_id, 1.0, 2.5)
+    strategy.plan_report(
+        0, devices, strategy.assign(0, devices)
+    )  # nothing sized without a deadline: no choices
+    state = strategy.planning_state()
+    restored = create_strategy("nefl-wd", context(None))
+    restored.load_planning_state(state)
+    assert restored.planning_state() == state and restored.feedback.factor(devices[0].device_id) == 2.5
+    restored.load_planning_state({})  # a checkpoint written before the closed loop
+    assert restored.feedback.factors == {}
+    with pytest.raises(ConfigError, match="planning.speed"):
+        restored.load_planning_state({"speed": {"a": -1.0}})
+    with pytest.raises(ConfigError, match="planning.chosen"):
+        restored.load_planning_state({"speed": {}, "chosen": {"a": 3}})
