@@ -4,9 +4,12 @@ Every seed runs FedAvg and DynamicFL (paper protocol) with the same data, partit
 client draws; the boards' capacities are {0, 1, 2} in equal thirds by client index. Reported:
 
 * `dynamicfl_acc`, `fedavg_acc`: test accuracy of the final global model, mean over seeds.
-* `gain_by_capacity=g0/g1/g2`: for each capacity class, the final model's test accuracy weighted by the label
-  mix of that class's clients (their data distribution, measured on held-out images), DynamicFL minus FedAvg,
-  in points, mean over seeds. A class-level gain that grows with capacity is the paper's claim.
+* `gain_by_capacity=g0/g1/g2`, in points, mean over seeds, one of two measures (`--gain-by`):
+  `label-mix` (default, no extra runs): the mixed run's final model's test accuracy weighted by the label mix of
+  each capacity class's clients, DynamicFL minus FedAvg — with label-skewed clients this mostly measures which
+  labels each class holds; `single-class`: two more runs per seed in which every board has capacity 1 (then 2),
+  minus FedAvg (capacity 0 everywhere is FedAvg bit for bit, so g0 = 0). A gain that grows with capacity is
+  the paper's claim.
 * extra training time and memory per capacity class: one training step of the model with c convs expanded
   (the paper's round-0 choice, bottom-up), timed side by side with the plain step (interleaved repetitions)
   and its autograd-saved bytes measured (profiler.memory.SavedTensorMeter), with the estimator's price
@@ -32,12 +35,12 @@ import torch
 CAPACITIES = [0, 1, 2]
 
 
-def config(a: argparse.Namespace, method: str, seed: int) -> Any:
+def config(a: argparse.Namespace, method: str, seed: int, capacities: list[int] = CAPACITIES) -> Any:
     from nestling.config import config_from_dict
 
     method_table: dict[str, Any] = {"name": method}
     if method == "dynamicfl":
-        method_table.update(capacities=CAPACITIES, protocol=a.protocol)
+        method_table.update(capacities=capacities, protocol=a.protocol)
     return config_from_dict(
         {
             "run": {
@@ -69,6 +72,16 @@ def config(a: argparse.Namespace, method: str, seed: int) -> Any:
             },
         }
     )
+
+
+def run_or_reuse(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    """Run `cfg` into `run_dir`, or read the summary a finished run with the same config left there (--out)."""
+    from nestling.simulator.reproduce_cli import run_state
+    from nestling.simulator.run import run_simulation
+
+    if run_state(run_dir, cfg) == "done":
+        return json.loads((run_dir / "summary.json").read_text())
+    return run_simulation(cfg, run_dir, resume=run_state(run_dir, cfg) == "partial")
 
 
 def per_label_accuracy(run_dir: Path, data: Any) -> np.ndarray:
@@ -189,7 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20, help="timed training steps per capacity")
-    parser.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument(
+        "--out", default=None, help="keep the runs here and reuse finished ones (default: a temporary folder)"
+    )
+    parser.add_argument(
+        "--gain-by",
+        default="label-mix",
+        choices=("label-mix", "single-class"),
+        help="label-mix: the mixed run's model on each capacity class's label mix; single-class: extra runs in "
+        "which every board has capacity c, minus FedAvg (c = 0 is FedAvg bit for bit)",
+    )
     parser.add_argument("--quick", action="store_true", help="digits, tinycnn, 3 rounds: a smoke check")
     a = parser.parse_args(argv)
     if a.quick:
@@ -204,14 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
 
     from nestling.simulator.fleetdata import load_fleet_data
-    from nestling.simulator.run import fleet_args, run_simulation
+    from nestling.simulator.run import fleet_args
 
     started = time.perf_counter()
     accuracy: dict[str, list[float]] = {"fedavg": [], "dynamicfl": []}
     gains: list[list[float]] = []
     with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
         work = Path(a.out) if a.out else Path(tmp)
-        bar = progress.add_task("runs", total=2 * len(seeds))
+        extra = [1, 2] if a.gain_by == "single-class" else []
+        bar = progress.add_task("runs", total=(2 + len(extra)) * len(seeds))
         for seed in seeds:
             by_method: dict[str, np.ndarray] = {}
             data = None
@@ -219,17 +242,34 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update(bar, description=f"seed {seed} {method}")
                 cfg = config(a, method, seed)
                 run_dir = work / f"seed-{seed}" / method
-                summary = run_simulation(cfg, run_dir)
+                summary = run_or_reuse(cfg, run_dir)
                 accuracy[method].append(100 * summary["worst_accuracy"])
                 data = data or load_fleet_data(**fleet_args(cfg))
                 by_method[method] = per_label_accuracy(run_dir, data)
                 progress.advance(bar)
             assert data is not None
             mixes = class_label_mix(data, a.clients)
-            gains.append([100 * float(mix @ (by_method["dynamicfl"] - by_method["fedavg"])) for mix in mixes])
+            label_mix = [100 * float(mix @ (by_method["dynamicfl"] - by_method["fedavg"])) for mix in mixes]
             print(
                 f"seed {seed}: fedavg {accuracy['fedavg'][-1]:.2f}%  dynamicfl {accuracy['dynamicfl'][-1]:.2f}%  "
-                f"gain by capacity class " + " / ".join(f"{g:+.2f}" for g in gains[-1])
+                f"gain on each capacity class's label mix " + " / ".join(f"{g:+.2f}" for g in label_mix)
+            )
+            if not extra:
+                gains.append(label_mix)
+                continue
+            single = [
+                0.0
+            ]  # every board at capacity 0 is FedAvg bit for bit (tests/server/strategies/test_dynamicfl.py)
+            for capacity in extra:
+                progress.update(bar, description=f"seed {seed} dynamicfl, every board c={capacity}")
+                cfg = config(a, "dynamicfl", seed, capacities=[capacity])
+                summary = run_or_reuse(cfg, work / f"seed-{seed}" / f"dynamicfl-c{capacity}")
+                single.append(100 * summary["worst_accuracy"] - accuracy["fedavg"][-1])
+                progress.advance(bar)
+            gains.append(single)
+            print(
+                f"seed {seed}: every board at capacity 0/1/2 minus FedAvg "
+                + " / ".join(f"{g:+.2f}" for g in single)
             )
         shape = tuple(data.bundle.train.x.shape[1:]) if data is not None else (3, 32, 32)
         classes = data.bundle.num_classes if data is not None else 10
