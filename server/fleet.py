@@ -21,6 +21,7 @@ from nestling.server.coordinator import Coordinator, RoundPolicy, RoundRecord
 from nestling.server.deployables import deployable_rows, deployables_table, export_orders, wants_export
 from nestling.server.evaluation import Evaluator
 from nestling.server.fleet_config import FleetConfig, load_fleet_config
+from nestling.server.fleet_plan import write_run_file
 from nestling.server.mqtt_transport import MqttTransport, TransportSettings
 from nestling.server.plan_summary import print_plan_table
 from nestling.server.registry import DeviceRegistry, emulated_class
@@ -118,6 +119,7 @@ def run_fleet(
     strategy = make_strategy(cfg, bundle.num_classes, bundle.input_shape)
     out_dir = cfg.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_run_file(out_dir, strategy)  # `nestling plan --fleet` re-creates the strategy from it
     registry = DeviceRegistry(
         out_dir / "registry.json",
         heartbeat_timeout_s=cfg.fleet.heartbeat_timeout_s,

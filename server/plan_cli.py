@@ -28,8 +28,18 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budget-mb", type=float, nargs="+", help="memory budgets: one per profile, or devices of their own"
     )
-    p.add_argument("--method", required=True, choices=sorted(plannable_methods()))
-    p.add_argument("--model", required=True, choices=known_models())
+    p.add_argument("--method", choices=sorted(plannable_methods()), help="required without --fleet")
+    p.add_argument("--model", choices=known_models(), help="required without --fleet")
+    p.add_argument(
+        "--fleet",
+        type=Path,
+        metavar="RUN_DIR",
+        help="a fleet run's out_dir: what its server would assign next to the boards in its registry.json",
+    )
+    p.add_argument(
+        "--deadline", type=float, help="--fleet: plan for this round deadline (s) instead of the run's"
+    )
+    p.add_argument("--train-share", type=float, help="--fleet: share of the deadline planned for training")
     p.add_argument("--batch", type=int, help="training batch (default: the first profile's, else 32)")
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--image-size", type=int, default=32)
@@ -52,7 +62,7 @@ def _plan_parser() -> argparse.ArgumentParser:
         metavar="KEY=JSON",
         help='a [method] option, e.g. budgets="lack"',
     )
-    p.add_argument("--out", type=Path, default=Path("plan.json"))
+    p.add_argument("--out", type=Path, help="write the plan as JSON (default plan.json; --fleet: none)")
     return p
 
 
@@ -123,11 +133,68 @@ def _plan_table(method: str, rows: list[PlanRow]) -> Table:
     return table
 
 
+def _fleet_table(plan: dict[str, Any]) -> Table:
+    budget = plan["time_budget_s"]
+    table = Table(
+        title=f"next round ({plan['round'] + 1}) of {plan['run']} · {plan['method']} · {plan['model']} · "
+        f"training time allowed: {'none' if budget is None else f'{budget:.2f} s'}"
+    )
+    for column in ("device", "submodel", "reason", "est. MiB", "budget MiB", "predicted s", "speed", "note"):
+        table.add_column(
+            column, justify="left" if column in ("device", "submodel", "reason", "note") else "right"
+        )
+    for r in plan["devices"]:
+        table.add_row(
+            r["device"],
+            r["submodel"],
+            r["reason"],
+            f"{r['memory_bytes'] / MIB:.1f}",
+            "–" if r["budget_bytes"] is None else f"{r['budget_bytes'] / MIB:.1f}",
+            "–" if r["predicted_s"] is None else f"{r['predicted_s']:.2f}",
+            "–" if r["speed"] is None else f"{r['speed']:.2f}",
+            "" if r["replan_from"] is None else f"re-plan from {r['replan_from'][:8]}",
+        )
+    return table
+
+
+def fleet_plan_main(args: argparse.Namespace) -> int:
+    """`nestling plan --fleet RUN_DIR [--deadline S] [--train-share X] [--out plan.json]`."""
+    from nestling.server.fleet_plan import fleet_plan, fleet_plan_json, load_run_strategy, registered_devices
+
+    console = _console()
+    try:
+        strategy, round_index, source = load_run_strategy(
+            args.fleet, deadline_s=args.deadline, train_share=args.train_share
+        )
+        rows = fleet_plan(strategy, registered_devices(args.fleet), round_index)
+    except (NestlingError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    plan = fleet_plan_json(args.fleet, strategy, round_index, source, rows)
+    console.print(_fleet_table(plan))
+    console.print(f"planned from {source} and registry.json")
+    if args.out is not None:
+        _write_json(args.out, plan)
+        console.print(f"plan written to {args.out}")
+    return 0
+
+
 def plan_main(argv: list[str]) -> int:
-    """`nestling plan PROFILE... [--budget-mb ...] --method M --model M --out plan.json`."""
+    """`nestling plan PROFILE... [--budget-mb ...] --method M --model M --out plan.json` |
+    `nestling plan --fleet RUN_DIR`."""
     from nestling.server.plan_methods import plan_rows
 
-    args = _plan_parser().parse_args(argv)
+    parser = _plan_parser()
+    args = parser.parse_args(argv)
+    if args.fleet is not None:
+        if args.profiles or args.budget_mb:
+            parser.error("--fleet plans the run's registered boards: give no profiles or --budget-mb")
+        return fleet_plan_main(args)
+    if args.method is None or args.model is None:
+        parser.error("--method and --model are required (or --fleet RUN_DIR)")
+    if args.deadline is not None or args.train_share is not None:
+        parser.error("--deadline and --train-share go with --fleet")
+    args.out = args.out or Path("plan.json")
     console = _console()
     try:
         devices, profile_batch = _devices(args)

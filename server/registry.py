@@ -108,6 +108,11 @@ class DeviceRegistry:
                 "index": r.info.index,
                 "num_samples": r.info.num_samples,
                 "memory_budget_bytes": r.info.memory_budget_bytes,
+                # what sizing reads, so `nestling plan --fleet RUN_DIR` plans these boards as the server does
+                "tier": (r.info.profile or {}).get("tier"),
+                "labels": None if r.info.labels is None else list(r.info.labels),
+                "board_profile": None if r.info.board is None else r.info.board.to_dict(),
+                "emulating": emulated_class(r.info.profile),
             }
             for d, r in self.records.items()
         }

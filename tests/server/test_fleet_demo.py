@@ -10,6 +10,7 @@ import pytest
 from nestling.errors import NestlingError
 from nestling.profiler.catalogue import get_board
 from nestling.server.fleet_demo import BOARD_CLASSES, demo_main, train_share
+from nestling.server.plan_cli import plan_main
 
 
 @pytest.mark.slow
@@ -40,6 +41,13 @@ def test_the_demo_sizes_each_emulated_board_from_its_profile_onto_its_own_submod
     assert summary["rounds"] == 2 and summary["transport"]["accepted"] >= 6
     assert sorted(summary["plans"]) == sorted(first) and summary["plans"]["board-3"]["rounds"] == 2
     assert summary["config"]["run"]["train_share"] == train_share(3)
+
+    # what the server would assign next: the same boards, from the run's checkpoint and registry.json
+    assert plan_main(["--fleet", str(tmp_path / "out"), "--out", str(tmp_path / "next.json")]) == 0
+    following = json.loads((tmp_path / "next.json").read_text())
+    assert following["round"] == 2 and following["from"] == "checkpoint round-000001"
+    assert sorted(r["device"] for r in following["devices"]) == sorted(first)
+    assert all(r["predicted_s"] > 0 and r["source"].startswith("emulated:") for r in following["devices"])
 
 
 def test_the_demo_refuses_steps_that_plan_past_its_deadline():
