@@ -25,7 +25,13 @@ from nestling.server.fleet_plan import write_run_file
 from nestling.server.mqtt_transport import MqttTransport, TransportSettings
 from nestling.server.plan_summary import print_plan_table
 from nestling.server.registry import DeviceRegistry, emulated_class
-from nestling.server.run_report import plot_accuracy, read_metrics, summarise, write_summary
+from nestling.server.run_report import (
+    add_method_results,
+    plot_accuracy,
+    read_metrics,
+    summarise,
+    write_summary,
+)
 from nestling.server.screening import robust_policy
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import Strategy
@@ -194,8 +200,7 @@ def run_fleet(
     summary = summarise(read_metrics(out_dir), cfg.to_dict(), time.perf_counter() - started)
     summary["transport"] = dict(sorted(transport.counters.items()))
     summary["quarantined"] = coordinator.quarantine_log  # devices a divergence guard rollback put aside
-    if method_summary := coordinator.strategy.run_summary():
-        summary["method_report"] = method_summary
+    add_method_results(summary, strategy, transport.devices(), coordinator.last_eval, run.rounds - 1, out_dir)
     summary["trained_by"] = {spec: sorted(devices) for spec, devices in transport.trained_by.items()}
     if registry.emulated():
         summary["emulated"] = registry.emulated()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 from nestling.server.plan_summary import summarise_plans
 
@@ -88,3 +89,52 @@ def summarise(records: list[dict[str, Any]], config: dict[str, Any], wall_second
         "config": config,
         **summarise_plans(records),  # per-board plans and re-plans, when boards were planned from profiles
     }
+
+
+def board_accuracy(
+    strategy: Any, devices: list[Any], evaluations: list[Any], last_round: int
+) -> dict[str, Any] | None:
+    """Each board's accuracy on the submodel it deploys (Strategy.deploy_spec), read from the final evaluation:
+    the mean over boards and its spread (quartiles, IQR; FedTrans reports these, METHODS §4.a.6). Boards whose
+    deployed submodel was not evaluated are counted, not guessed."""
+    by_spec = {e.spec_id: e for e in evaluations}
+    boards: dict[str, dict[str, Any]] = {}
+    unevaluated = 0
+    for device in sorted(devices, key=lambda d: d.device_id):
+        evaluated = by_spec.get(strategy.deploy_spec(device, last_round).id)
+        if evaluated is None:
+            unevaluated += 1
+            continue
+        boards[device.device_id] = {"submodel": evaluated.name, "accuracy": evaluated.accuracy}
+    if not boards:
+        return None
+    values = np.array([b["accuracy"] for b in boards.values()], dtype=float)
+    q1, median, q3 = (float(q) for q in np.percentile(values, [25, 50, 75]))
+    return {
+        "mean": float(values.mean()),
+        "q1": q1,
+        "median": median,
+        "q3": q3,
+        "iqr": q3 - q1,
+        "unevaluated": unevaluated,
+        "boards": boards,
+    }
+
+
+def add_method_results(
+    summary: dict[str, Any],
+    strategy: Any,
+    devices: list[Any],
+    evaluations: list[Any],
+    last_round: int,
+    out_dir: Path,
+) -> None:
+    """What every run's summary adds after its rounds: the method's own report (`method_report`), each board's
+    deployed-submodel accuracy (`boards`) and the method's own plots beside accuracy.png."""
+    if method_summary := strategy.run_summary():
+        summary["method_report"] = method_summary
+    if (per_board := board_accuracy(strategy, devices, evaluations, last_round)) is not None:
+        summary["boards"] = per_board
+    plots = strategy.write_plots(out_dir, summary)
+    if plots:
+        summary["plots"] = sorted(str(path.name) for path in plots)

@@ -16,7 +16,13 @@ from nestling.schedule import LrSchedule
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundPolicy, RoundRecord
 from nestling.server.evaluation import Evaluator
-from nestling.server.run_report import plot_accuracy, read_metrics, summarise, write_summary
+from nestling.server.run_report import (
+    add_method_results,
+    plot_accuracy,
+    read_metrics,
+    summarise,
+    write_summary,
+)
 from nestling.server.screening import robust_policy
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo
@@ -181,8 +187,8 @@ def run_simulation(
             write_replay_report(out_dir, title, summary["replay"]["device_classes"])
         )
     summary["quarantined"] = coordinator.quarantine_log
-    if method_summary := coordinator.strategy.run_summary():
-        summary["method_report"] = method_summary
+    boards = replay.fleet.devices if replay else devices  # replayed boards carry their trace's class
+    add_method_results(summary, strategy, boards, coordinator.last_eval, cfg.run.rounds - 1, out_dir)
     summary["aggregate_seconds"] = coordinator.aggregate_seconds
     write_summary(out_dir, summary)
     plot_accuracy(out_dir, title)

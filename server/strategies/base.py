@@ -6,6 +6,7 @@ import hashlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -400,6 +401,10 @@ class Strategy(ABC):
         """What this method did in a round beyond the common record (metrics.jsonl's `method` field): DynamicFL's
         expanded convs per capacity, FedTrans's model births. `accepted` are the results it aggregated."""
         return {}
+
+    def write_plots(self, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
+        """Plots of this method's own beside accuracy.png (FedTrans: the family's growth); the files written."""
+        return []
 
     def run_summary(self) -> dict[str, Any]:
         """What this method adds to summary.json under `method_report` at the end of a run."""

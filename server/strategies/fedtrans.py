@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -49,6 +50,7 @@ from nestling.server.strategies.fedtrans_capacity import (
     reference_gflops,
     validated_tiers,
 )
+from nestling.server.strategies.fedtrans_report import plot_growth
 from nestling.slicing import check_result_tensors, extract, slices_for
 from nestling.spec import SubmodelSpec
 
@@ -439,6 +441,11 @@ class FedTrans(Strategy):
         report = {"models": len(self.members), **self._events}
         self._events = {}
         return {"fedtrans": report}
+
+    def write_plots(self, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
+        """growth.png: the family by birth round and MACs, and each model's final accuracy."""
+        models = [self._describe(k) for k in range(len(self.members))]
+        return [plot_growth(out_dir, models, summary.get("submodels", []), int(summary.get("rounds", 0)))]
 
     def run_summary(self) -> dict[str, Any]:
         """Every model (lineage, MACs, parameters, uploads) and which model each board would deploy."""

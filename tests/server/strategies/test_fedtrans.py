@@ -77,6 +77,17 @@ def test_a_short_run_grows_the_family_reports_every_model_and_exports_each_by_id
     assert [s["name"] for s in rows[-1]["submodels"]] == [m["id"] for m in family]  # per-model accuracy
     assert all(0.0 <= s["accuracy"] <= 1.0 for s in rows[-1]["submodels"])
     assert set(summary["method_report"]["fedtrans"]["deployed"].values()) <= {m["id"] for m in family}
+    # METHODS §4.a.6: each board scored on its highest-utility compatible model, mean and IQR over boards
+    boards = summary["boards"]
+    assert {d: b["submodel"] for d, b in boards["boards"].items()} == summary["method_report"]["fedtrans"][
+        "deployed"
+    ]
+    scores = {s["name"]: s["accuracy"] for s in rows[-1]["submodels"]}
+    assert boards["mean"] == pytest.approx(
+        sum(scores[b["submodel"]] for b in boards["boards"].values()) / len(boards["boards"])
+    )
+    assert boards["iqr"] == pytest.approx(boards["q3"] - boards["q1"]) and boards["unevaluated"] == 0
+    assert summary["plots"] == ["growth.png"] and (tmp_path / "growth.png").stat().st_size > 10_000
 
     source = open_checkpoint(tmp_path)
     newest = select_target(source, submodel=family[-1]["id"])
