@@ -179,15 +179,25 @@ def direction_cosines(updates: list[FlatUpdate], layout: GlobalLayout) -> list[f
         where = layout.positions(update)
         if where is not None and update.vector.numel():
             groups.setdefault(id(where), (where, []))[1].append(i)
-    total = torch.zeros(layout.size, dtype=torch.float32)
-    count = torch.zeros(layout.size, dtype=torch.float32)
-    for where, members in groups.values():
+    cosines: list[float | None] = [None] * len(updates)
+    sums = {}
+    for key, (_, members) in groups.items():
         summed = updates[members[0]].vector.clone()
         for i in members[1:]:
             summed.add_(updates[i].vector)
-        total.index_add_(0, where, summed)
+        sums[key] = summed
+    if (
+        len(groups) == 1
+    ):  # one layout (FedAvg, every board on one submodel): no scatter into the global vector
+        ((key, (_, members)),) = groups.items()
+        if len(members) > 1:
+            _uniform_cosines(updates, members, sums[key], cosines)
+        return cosines
+    total = torch.zeros(layout.size, dtype=torch.float32)
+    count = torch.zeros(layout.size, dtype=torch.float32)
+    for key, (where, members) in groups.items():
+        total.index_add_(0, where, sums[key])
         count[where] += float(len(members))
-    cosines: list[float | None] = [None] * len(updates)
     for where, members in groups.values():
         seen_total, others = total[where], count[where] - 1.0
         # mean of the others per element = (S - u) / others; with w = 1 / others (0 where only u touches):
@@ -195,13 +205,7 @@ def direction_cosines(updates: list[FlatUpdate], layout: GlobalLayout) -> list[f
         weight = torch.where(others > 0, 1.0 / others.clamp(min=1.0), torch.zeros_like(others))
         uniform = bool((others == others[0]).all()) and float(others[0]) > 0
         if uniform:  # the common case: every element seen by the same updates; the constant 1/others cancels
-            total_sq = float(torch.dot(seen_total, seen_total))
-            for i in members:
-                u = updates[i].vector
-                u_sq, u_total = float(torch.dot(u, u)), float(torch.dot(u, seen_total))
-                mean_sq = total_sq - 2.0 * u_total + u_sq
-                denominator = math.sqrt(max(u_sq, 0.0) * max(mean_sq, 0.0))
-                cosines[i] = (u_total - u_sq) / denominator if denominator > 0 else None
+            _uniform_cosines(updates, members, seen_total, cosines)
             continue
         weighted, weighted2 = seen_total * weight, seen_total * weight * weight
         total_sq = float(torch.dot(seen_total * seen_total, weight * weight))
@@ -215,6 +219,20 @@ def direction_cosines(updates: list[FlatUpdate], layout: GlobalLayout) -> list[f
             denominator = math.sqrt(max(u_sq, 0.0) * max(mean_sq, 0.0))
             cosines[i] = dot / denominator if denominator > 0 else None
     return cosines
+
+
+def _uniform_cosines(
+    updates: list[FlatUpdate], members: list[int], seen_total: torch.Tensor, cosines: list[float | None]
+) -> None:
+    """Cosines where every element of these updates is seen by the same updates (sum S over them):
+    u·(S − u) / (|u| |S − u|), from u·u, u·S and S·S."""
+    total_sq = float(torch.dot(seen_total, seen_total))
+    for i in members:
+        u = updates[i].vector
+        u_sq, u_total = float(torch.dot(u, u)), float(torch.dot(u, seen_total))
+        mean_sq = total_sq - 2.0 * u_total + u_sq
+        denominator = math.sqrt(max(u_sq, 0.0) * max(mean_sq, 0.0))
+        cosines[i] = (u_total - u_sq) / denominator if denominator > 0 else None
 
 
 DIRECTION_SPREAD = (
