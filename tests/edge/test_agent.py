@@ -184,7 +184,7 @@ def test_lost_result_chunks_are_resent_and_a_repeated_task_is_answered_without_t
     resent = [server.next("result") for _ in range(2)]
     assert [read_header(c)["index"] for c in resent] == [0, 1]
     calls: list[str] = []
-    monkeypatch.setattr("nestling.edge.agent.run_task", lambda *a, **k: calls.append("trained"))
+    monkeypatch.setattr("nestling.edge.agent_training.run_task", lambda *a, **k: calls.append("trained"))
     server.inbound = Inbound(64 * 1024 * 1024)
     server.publish(server.topics.task(DEVICE), encode_task(task, "s2"))  # the server lost our answer
     assert server.next_result().task_id == task.task_id and calls == []

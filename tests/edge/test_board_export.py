@@ -198,7 +198,7 @@ def test_the_agent_exports_on_its_worker_and_answers_a_repeated_order_without_re
             assert time.monotonic() < give_up, dict(transport.counters)
             transport.wait_for_devices(10**6, 0.1)
         assert (tmp_path / "bundle" / "bundle.json").stat().st_mtime_ns == built
-        assert agent.state == "online" and agent._export_report is not None
+        assert agent.state == "online" and agent.exports.report is not None
     finally:
         agent.stop()
         transport.close()

@@ -1,0 +1,127 @@
+"""Training one assigned task on the board and uploading its result (paced when emulating a slower board).
+
+A task that cannot run (an impossible spec, an unknown procedure, a procedure's bug) costs its round,
+never the agent; running out of memory lowers what the board says training may use and registers it
+again, so the server plans a smaller submodel from the next round on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from nestling.edge.agent_jobs import TrainJob
+from nestling.edge.agent_presence import AgentPresence
+from nestling.edge.agent_profiling import AgentProfiling
+from nestling.edge.agent_state_file import AgentStateFile
+from nestling.edge.emulation import EmulationTarget, TaskPacer
+from nestling.edge.procedures import ClientData, DeviceStore
+from nestling.edge.result_uploads import ResultUploads
+from nestling.edge.trainer import run_task
+from nestling.errors import NestlingError
+from nestling.messages import Result, Task
+from nestling.wire.fleet_messages import encode_result
+
+log = logging.getLogger("nestling.agent")
+
+
+class AgentTraining:
+    """Runs tasks on the worker thread; `current` is the (task id, session) being trained now."""
+
+    def __init__(
+        self,
+        data: ClientData,
+        torch_device: str,
+        store: DeviceStore,
+        state_file: AgentStateFile,
+        presence: AgentPresence,
+        profiling: AgentProfiling,
+        uploads: ResultUploads,
+        emulation: EmulationTarget | None,
+        stopping: threading.Event,
+    ) -> None:
+        self.data = data
+        self.torch_device = torch_device
+        self.store = store  # the procedures' per-device state, kept across rounds
+        self.state_file = state_file
+        self.presence = presence
+        self.profiling = profiling
+        self.uploads = uploads
+        self.emulation = (
+            emulation  # `nestling agent --emulate`: behave like a slower board (edge/emulation.py)
+        )
+        self.pacer = (
+            None if emulation is None else TaskPacer(emulation, tuple(data.x.shape[1:]), sleep=stopping.wait)
+        )
+        self.current: tuple[str, str] | None = None
+        self.results_sent = 0
+
+    def run(self, job: TrainJob) -> None:
+        task, session = job.task, job.session
+        self.presence.state, self.presence.round = "training", task.round
+        self.current = (task.task_id, session)
+        self.presence.heartbeat()
+        if self.pacer is not None:  # the emulated board is still downloading the task
+            self.pacer.download(task, job.received)
+        started = time.monotonic()
+        try:
+            result = run_task(task, self.data, self.store, self.torch_device)
+            if self.pacer is not None:  # the emulated board trains for longer
+                self._pad_training(task, result, time.monotonic() - started)
+        except NestlingError as exc:  # an impossible spec, an unknown procedure: the round goes on without us
+            log.error("task %s refused: %s", task.task_id, exc)
+            return
+        except (torch.OutOfMemoryError, MemoryError) as exc:  # sized down, not dropped: tell the server
+            self.profiling.lower_memory(task, exc)
+            self.presence.hello()
+            return
+        except Exception:  # a procedure's bug: keep serving later rounds
+            log.exception("task %s failed", task.task_id)
+            return
+        finally:
+            self.presence.state, self.current = "online", None
+        trained = time.monotonic()
+        result.metrics["train_wall_s"] = trained - started  # what the board took (padded when emulating)
+        self.state_file.save(self.store)
+        payload = encode_result(result, session)
+        frames = self.uploads.prepare(payload, task, session)
+        if self.pacer is not None:  # the result leaves when the emulated board's upload would be done
+            self._pace_upload(result, trained)
+        self.uploads.send(frames)
+        self.results_sent += 1
+        log.info(
+            "round %d: sent %s for submodel %s (%.2f MB, %.2fs training, loss %s)",
+            task.round,
+            task.task_id,
+            result.spec_id,
+            len(payload) / 1e6,
+            result.metrics["train_seconds"],
+            result.metrics.get("loss_mean"),
+        )
+        self.presence.heartbeat()
+
+    def _pad_training(self, task: Task, result: Result, measured_s: float) -> None:
+        assert self.pacer is not None and self.emulation is not None
+        pacing = self.pacer.compute(task, len(self.data), measured_s)
+        result.metrics.update(
+            {
+                "emulated": self.emulation.name,
+                "emulated_down_s": pacing.down_s,
+                "emulated_compute_s": pacing.compute_s,
+                "emulation_overrun_s": pacing.overrun_s,
+            }
+        )
+
+    def _pace_upload(self, result: Result, trained: float) -> None:
+        assert self.pacer is not None and self.emulation is not None
+        log.info("%s", self.pacer.upload(result, trained).line(result.round, self.emulation.name))
+
+
+def warm_up() -> None:
+    """Pay torch's one-time lazy imports (the optimiser pulls in torch._dynamo: seconds on a small board)
+    while waiting for the first task, not inside the first round's deadline."""
+    weight = torch.zeros(1, requires_grad=True)
+    torch.optim.SGD([weight], lr=0.1).step()
