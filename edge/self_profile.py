@@ -3,9 +3,11 @@
 The server announces its full model and batch size in its retained status (`ServerStatus.plan`). The agent
 measures that model on its own device (available training memory with a safety margin, sustained GFLOP/s,
 per-part forward/backward latency and activations: profiler/measure.py) or, when it emulates a catalogue
-class, takes the class's figures (profiler/board_profile.py). The summary is cached under a key of everything
-it depends on (model, batch, torch version, board, margin, emulated class): a restart with the same key
-sends it at once, any change measures again.
+class, takes the class's figures (profiler/board_profile.py). A measuring board also times the whole step of the
+model's narrower member in turn with the full one, the second point that makes its predicted step affine in the
+MAC-scaled time. The summary is cached under a key of everything it depends on (model, batch, torch version,
+board, margin, emulated class, what a profile holds): a restart with the same key sends it at once, any change
+measures again.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,20 +26,27 @@ import psutil
 import torch
 
 from nestling.edge.emulation import EmulationTarget
+from nestling.errors import ConfigError, SpecError
 from nestling.profiler.board_profile import (
+    NARROW_WIDTH,
     BoardProfile,
+    NarrowFigure,
     ProfileError,
     emulated_board_profile,
     measured_board_profile,
+    narrow_spec,
     parse_board_profile,
 )
 from nestling.profiler.device import cpu_model, measure_gflops
-from nestling.profiler.measure import profile_model
+from nestling.profiler.measure import interleaved_steps, profile_model
 from nestling.profiler.speed import FLOPS_PER_MAC, TRAIN_OVER_FORWARD, MacCounter
 from nestling.spec import SubmodelSpec
 
 log = logging.getLogger("nestling.agent")
 CACHE_NAME = "board-profile.json"
+# What a measured profile holds; part of the cache key, so a cache made before the narrow point existed is
+# measured again rather than sent without it.
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,7 @@ class ProfileInputs:
 
     def key(self) -> str:
         material = {
+            "version": PROFILE_VERSION,
             "spec": self.spec,
             "batch": self.batch,
             "margin": self.margin,
@@ -99,14 +110,37 @@ def emulated_profile(inputs: ProfileInputs, target: EmulationTarget) -> BoardPro
     return emulated_board_profile(spec, inputs.batch, gflops, memory, target.name, inputs.margin)
 
 
+def measure_narrow(
+    spec: SubmodelSpec, batch: int, torch_device: str, full_step_s: float, *, repeats: int, warmup: int
+) -> NarrowFigure | None:
+    """The narrower member's whole step: timed in turn with the full model's, its median ratio to the full
+    step × the profile's full step, so a load that comes and goes during profiling does not bend the fixed
+    cost. None when the family cannot build that width (the profile then predicts by MACs alone)."""
+    try:
+        narrow = narrow_spec(spec, NARROW_WIDTH)
+        full, small = interleaved_steps(
+            [spec, narrow], batch, torch_device, repeats=max(repeats, 3), warmup=warmup
+        )
+    except (SpecError, ConfigError) as exc:
+        log.warning("no narrow point for %s at width %g: %s", spec.model.arch, NARROW_WIDTH, exc)
+        return None
+    ratio = statistics.median(s / f for s, f in zip(small, full) if f > 0)
+    return NarrowFigure(NARROW_WIDTH, ratio * full_step_s)
+
+
 def measure_profile(inputs: ProfileInputs, *, repeats: int = 5, warmup: int = 2) -> BoardProfile:
-    """Measure the full model on this board (seconds on a small CPU; the worker is idle meanwhile)."""
+    """Measure the full model and its narrow point on this board (seconds on a small CPU; the worker is idle
+    meanwhile)."""
     spec = SubmodelSpec.from_dict(inputs.spec)
     measured = profile_model(
         spec, inputs.batch, inputs.torch_device, repeats=repeats, warmup=warmup, rss_check=False
     )
+    step_s = float(measured["total"]["step_ms"]["median"]) / 1000.0
+    narrow = measure_narrow(spec, inputs.batch, inputs.torch_device, step_s, repeats=repeats, warmup=warmup)
     gflops = float(measure_gflops(inputs.torch_device, seconds=0.5)["gflops"])
-    return measured_board_profile(measured, gflops, available_memory(inputs.torch_device), inputs.margin)
+    return measured_board_profile(
+        measured, gflops, available_memory(inputs.torch_device), inputs.margin, narrow
+    )
 
 
 def load_cached(path: Path, key: str) -> BoardProfile | None:

@@ -4,7 +4,10 @@ The agent measures the fleet's full model on its own device (edge/self_profile.p
 catalogue class, derives the class's figures from the cost model the emulation pads to; the server checks the
 summary field by field (`parse_board_profile`) and plans from it (profiler/fit.py). Predicted local training
 time of a submodel = the measured per-part forward + backward latencies of the full model, each scaled by the
-submodel's share of that part's MACs, times the whole-step / sum-of-parts ratio, per sample trained.
+submodel's share of that part's MACs, times the whole-step / sum-of-parts ratio, per sample trained. A measured
+board also times the whole step of a narrower member (`NARROW_WIDTH`): what of a step does not shrink with the
+submodel (per-op dispatch, loss, optimizer bookkeeping, narrow layers running below their MAC rate) becomes a
+fixed cost per step, so the step is affine in that MAC-scaled time instead of proportional to it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from nestling.models.config import ModelConfig
 from nestling.profiler.estimator import estimate
 from nestling.profiler.speed import FLOPS_PER_MAC, TRAIN_OVER_FORWARD
 from nestling.spec import SubmodelSpec
@@ -26,6 +30,12 @@ MAX_BYTES = 2**50
 MAX_GFLOPS = 1e6
 MAX_STEP_S = 3600.0
 MAX_BATCH = 65536
+# The narrower member a measured board times besides the full model: every block kept, this channel ratio. A
+# quarter of the width (1/16 of the MACs) puts the planned members between the two points (planning.py's
+# narrowest NeFL-WD member is 30 % of the MACs) and keeps the fixed cost well clear of the timing noise.
+NARROW_WIDTH = 0.25
+MIN_NARROW_WIDTH = 0.01
+MAX_NARROW_WIDTH = 0.75
 _NAME = re.compile(r"^[a-z]{1,8}[0-9]{0,5}$")  # stem, block12, exit5, head
 _FIELDS = {
     "schema",
@@ -38,6 +48,7 @@ _FIELDS = {
     "step_s",
     "parts",
     "source",
+    "narrow",
 }
 
 
@@ -60,6 +71,19 @@ class PartFigure:
 
 
 @dataclass(frozen=True)
+class NarrowFigure:
+    """The whole training step of the full model's narrower member (`narrow_spec(width)`) at the profile's batch."""
+
+    width: float
+    step_s: float
+
+
+def narrow_spec(full_spec: SubmodelSpec, width: float) -> SubmodelSpec:
+    """The narrower member a board times: the full model's every block, exit and head at `width`."""
+    return SubmodelSpec(full_spec.model, width=width, exits=full_spec.model.exit_points)
+
+
+@dataclass(frozen=True)
 class BoardProfile:
     """The summary a board sends: memory training may use (after its safety margin), sustained GFLOP/s,
     the full model's step and per-part figures at the task batch size, and where they come from."""
@@ -73,11 +97,16 @@ class BoardProfile:
     step_s: float
     parts: tuple[PartFigure, ...]
     source: str  # "measured" or "emulated:<class>"
+    # A measured board's second point; None for emulated boards (their emulation is exactly MAC-proportional)
+    # and for profiles made before it existed, which predict as they always did.
+    narrow: NarrowFigure | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["schema"] = SCHEMA
         data["parts"] = [asdict(p) for p in self.parts]
+        if self.narrow is None:  # absent, not null: a profile without it reads as before everywhere
+            del data["narrow"]
         return data
 
     @property
@@ -86,8 +115,9 @@ class BoardProfile:
         parts = sum(p.forward_s + p.backward_s for p in self.parts)
         return self.step_s / parts if parts > 0 else 1.0
 
-    def step_seconds(self, spec: SubmodelSpec) -> float:
-        """Predicted seconds of one training step of `spec` at this profile's batch size."""
+    def scaled_step_seconds(self, spec: SubmodelSpec) -> float:
+        """One step of `spec` as the full model's measured parts scaled by MACs (the prediction without a
+        fixed cost: exact for an emulated board, which pads to FLOPs)."""
         full = {p.name: p.forward_macs for p in estimate(SubmodelSpec.full(spec.model), self.batch).parts}
         figures = {p.name: p for p in self.parts}
         seconds = 0.0
@@ -99,6 +129,34 @@ class BoardProfile:
                 flops = part.forward_macs * FLOPS_PER_MAC * TRAIN_OVER_FORWARD * self.batch
                 seconds += flops / (self.gflops * 1e9)
         return seconds * self.overhead
+
+    def fixed_step_s(self, model: ModelConfig) -> float:
+        """Seconds of a step of `model`'s members that do not shrink with the submodel, from the narrow point:
+        narrow = fixed + (full − fixed) × s, s the narrow member's MAC-scaled share of the full step. Kept in
+        [0, min(narrow, full)]: a narrow member measured faster than MAC scaling says gives 0 (the plain
+        rule), so the field can neither lower a prediction below MAC scaling nor raise one above the full
+        model's step."""
+        if self.narrow is None:
+            return 0.0
+        full_spec = SubmodelSpec.full(model)
+        full = self.scaled_step_seconds(full_spec)
+        share = (
+            self.scaled_step_seconds(narrow_spec(full_spec, self.narrow.width)) / full if full > 0 else 1.0
+        )
+        if not 0.0 <= share < 1.0:
+            return 0.0
+        fixed = (self.narrow.step_s - full * share) / (1.0 - share)
+        return min(max(fixed, 0.0), self.narrow.step_s, full)
+
+    def step_seconds(self, spec: SubmodelSpec) -> float:
+        """Predicted seconds of one training step of `spec` at this profile's batch size: the MAC-scaled step,
+        made affine by the fixed cost the narrow point measured (fixed + (full − fixed) × scaled / full)."""
+        scaled = self.scaled_step_seconds(spec)
+        fixed = self.fixed_step_s(spec.model)
+        if fixed <= 0.0:
+            return scaled
+        full = self.scaled_step_seconds(SubmodelSpec.full(spec.model))
+        return fixed + (1.0 - fixed / full) * scaled
 
     def train_seconds(self, spec: SubmodelSpec, samples: int) -> float:
         """Predicted local training time of `samples` samples (profiler.speed.samples_trained) of `spec`."""
@@ -135,9 +193,14 @@ def emulated_board_profile(
 
 
 def measured_board_profile(
-    measured: dict[str, Any], gflops: float, available_bytes: int, margin: float
+    measured: dict[str, Any],
+    gflops: float,
+    available_bytes: int,
+    margin: float,
+    narrow: NarrowFigure | None = None,
 ) -> BoardProfile:
-    """The summary of `profiler.measure.profile_model` output on this board (medians, seconds)."""
+    """The summary of `profiler.measure.profile_model` output on this board (medians, seconds), with the
+    narrower member's step when the board timed one."""
     parts = tuple(
         PartFigure(
             str(p["name"]),
@@ -158,6 +221,7 @@ def measured_board_profile(
         float(measured["total"]["step_ms"]["median"]) / 1000.0,
         parts,
         "measured",
+        narrow,
     )
 
 
@@ -178,6 +242,21 @@ def _text(data: dict[str, Any], name: str, limit: int = 64) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= limit:
         raise ProfileError(name, f"must be a string of 1-{limit} characters")
     return value
+
+
+def _narrow(data: dict[str, Any]) -> NarrowFigure | None:
+    """The optional narrow point: absent in emulated and older profiles; bounded like every other figure."""
+    if "narrow" not in data:
+        return None
+    raw = data["narrow"]
+    if not isinstance(raw, dict) or set(raw) != {"width", "step_s"}:
+        raise ProfileError("narrow", "must hold width and step_s")
+    try:
+        width = float(_number(raw, "width", MIN_NARROW_WIDTH, MAX_NARROW_WIDTH))
+        step = float(_number(raw, "step_s", 1e-9, MAX_STEP_S))
+    except ProfileError as exc:
+        raise ProfileError(f"narrow.{exc.field}", str(exc).split(": ", 1)[1]) from None
+    return NarrowFigure(width, step)
 
 
 def parse_board_profile(data: Any) -> BoardProfile:
@@ -212,6 +291,11 @@ def parse_board_profile(data: Any) -> BoardProfile:
     source = _text(data, "source")
     if source != "measured" and not source.startswith("emulated:"):
         raise ProfileError("source", f"must be 'measured' or 'emulated:<class>', got {source!r:.40}")
+    narrow = _narrow(data)
+    if narrow is not None and source != "measured":
+        raise ProfileError(
+            "narrow", "only a measured profile has a narrow point (an emulation scales by MACs)"
+        )
     return BoardProfile(
         spec_id=_text(data, "spec_id"),
         arch=_text(data, "arch"),
@@ -222,15 +306,19 @@ def parse_board_profile(data: Any) -> BoardProfile:
         step_s=float(_number(data, "step_s", 1e-9, MAX_STEP_S)),
         parts=tuple(parts),
         source=source,
+        narrow=narrow,
     )
 
 
 __all__ = [
+    "NARROW_WIDTH",
     "SCHEMA",
     "BoardProfile",
+    "NarrowFigure",
     "PartFigure",
     "ProfileError",
     "emulated_board_profile",
     "measured_board_profile",
+    "narrow_spec",
     "parse_board_profile",
 ]

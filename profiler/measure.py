@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +180,48 @@ def _rss_check(step: _Step, activations: int) -> dict[str, Any]:
         "malloc_returns_memory": exact,
         "process_bytes": rss_bytes(),
     }
+
+
+def interleaved_steps(
+    specs: Sequence[SubmodelSpec],
+    batch: int = 32,
+    device: str | torch.device = "cpu",
+    repeats: int = 10,
+    warmup: int = 3,
+    *,
+    lr: float = 0.01,
+    momentum: float = 0.9,
+    seed: int = 0,
+) -> list[list[float]]:
+    """Seconds of one whole training step of each spec, per repeat, the specs timed in turn (a, b, a, b, ...).
+
+    On a shared or throttling board the load comes and goes between two separate profiles; timed in turn, it
+    falls on every spec alike, so the ratio of two specs' steps holds where their separate medians drift."""
+    if not specs or batch < 2 or repeats < 1 or warmup < 0:
+        raise ConfigError(
+            f"interleaved steps need specs, batch >= 2, repeats >= 1, warmup >= 0 "
+            f"(got {len(specs)} specs, {batch}, {repeats}, {warmup})"
+        )
+    dev = torch.device(device)
+    torch.manual_seed(seed)
+    steps = []
+    for spec in specs:
+        net = build(spec, device=dev)
+        net.train()
+        model = spec.model
+        x = torch.randn(batch, model.in_channels, model.image_size, model.image_size, device=dev)
+        y = torch.randint(0, model.num_classes, (batch,), device=dev)
+        steps.append(_Step(net, x, y, lr, momentum))
+    seconds: list[list[float]] = [[] for _ in specs]
+    for i in range(warmup + repeats):
+        for k, step in enumerate(steps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            step()
+            _sync(dev)
+            if i >= warmup:
+                seconds[k].append(time.perf_counter() - t0)
+    return seconds
 
 
 def profile_model(

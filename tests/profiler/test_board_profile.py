@@ -3,6 +3,7 @@ server's field-by-field checks (an attacker's hello must be refused with the fie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,12 +14,17 @@ from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.profiler.board_profile import (
     MAX_PARTS,
+    NARROW_WIDTH,
+    BoardProfile,
+    NarrowFigure,
     ProfileError,
     emulated_board_profile,
     measured_board_profile,
+    narrow_spec,
     parse_board_profile,
 )
 from nestling.profiler.catalogue import get_board
+from nestling.profiler.estimator import estimate
 from nestling.profiler.measure import profile_model
 from nestling.profiler.speed import MacCounter, samples_trained, task_training_flops
 from nestling.spec import SubmodelSpec
@@ -105,3 +111,100 @@ def test_a_profile_that_is_not_an_object_is_refused() -> None:
     for data in (None, [], "profile", 3):
         with pytest.raises(ProfileError, match="schema"):
             parse_board_profile(data)
+
+
+FULL = SubmodelSpec.full(MODEL)
+# NeFL-WD-like members: narrow and shallow, narrow only, nearly full, and HeteroFL's narrowest width
+MEMBERS = (
+    SubmodelSpec(MODEL, width=0.67, blocks=(0, 1, 3, 4, 6, 7)),
+    SubmodelSpec(MODEL, width=0.5),
+    SubmodelSpec(MODEL, width=0.95),
+    SubmodelSpec(MODEL, width=0.0625),
+)
+
+
+def measured_with_narrow(narrow_step_s: float | None) -> BoardProfile:
+    """rpi4's figures as if measured, with a narrow point of `narrow_step_s` seconds (None: an older profile)."""
+    narrow = None if narrow_step_s is None else NarrowFigure(NARROW_WIDTH, narrow_step_s)
+    return dataclasses.replace(rpi4_profile(), source="measured", narrow=narrow)
+
+
+def test_a_narrow_point_recovers_the_fixed_cost_per_step_it_was_measured_with() -> None:
+    plain = measured_with_narrow(None)
+    full = plain.step_s
+    share = plain.step_seconds(narrow_spec(FULL, NARROW_WIDTH)) / full
+    fixed = 0.3 * full  # a board whose step keeps 30 % of the full step however narrow the member
+    profile = measured_with_narrow(fixed + (full - fixed) * share)
+    assert profile.fixed_step_s(MODEL) == pytest.approx(fixed)
+    assert profile.step_seconds(FULL) == pytest.approx(full)  # both measured points are reproduced
+    assert profile.step_seconds(narrow_spec(FULL, NARROW_WIDTH)) == pytest.approx(profile.narrow.step_s)
+    for spec in MEMBERS:
+        scaled = plain.step_seconds(spec)
+        assert profile.step_seconds(spec) == pytest.approx(fixed + (full - fixed) * scaled / full)
+        assert scaled < profile.step_seconds(spec) < full
+    samples = 96
+    assert profile.train_seconds(MEMBERS[0], samples) == pytest.approx(
+        profile.step_seconds(MEMBERS[0]) * samples / 32
+    )
+
+
+def test_a_narrow_point_can_neither_undercut_mac_scaling_nor_exceed_the_full_step() -> None:
+    plain = measured_with_narrow(None)
+    scaled_narrow = plain.step_seconds(narrow_spec(FULL, NARROW_WIDTH))
+    faster = measured_with_narrow(0.5 * scaled_narrow)  # faster than its MACs: no fixed cost, the plain rule
+    slower = measured_with_narrow(5.0 * plain.step_s)  # slower than the full model: capped at the full step
+    assert faster.fixed_step_s(MODEL) == 0.0 and slower.fixed_step_s(MODEL) == pytest.approx(plain.step_s)
+    for spec in MEMBERS:
+        assert faster.step_seconds(spec) == plain.step_seconds(spec)
+        assert slower.step_seconds(spec) == pytest.approx(plain.step_s)
+
+
+def test_an_older_profile_without_the_narrow_point_is_accepted_and_predicts_by_macs_as_before() -> None:
+    data = measured_with_narrow(None).to_dict()
+    assert "narrow" not in data  # what boards sent before the field existed
+    profile = parse_board_profile(json.loads(json.dumps(data)))
+    assert profile.narrow is None and profile.fixed_step_s(MODEL) == 0.0
+    full_macs = {p.name: p.forward_macs for p in estimate(FULL, 32).parts}
+    figures = {p.name: p.forward_s + p.backward_s for p in profile.parts}
+    overhead = profile.step_s / sum(figures.values())
+    for spec in MEMBERS:
+        by_macs = sum(figures[p.name] * p.forward_macs / full_macs[p.name] for p in estimate(spec, 32).parts)
+        assert profile.step_seconds(spec) == pytest.approx(by_macs * overhead, rel=1e-12)
+
+
+def test_a_profile_with_a_narrow_point_round_trips_through_json() -> None:
+    profile = measured_with_narrow(0.01)
+    data = json.loads(json.dumps(profile.to_dict()))
+    assert data["narrow"] == {"width": NARROW_WIDTH, "step_s": 0.01}
+    assert parse_board_profile(data) == profile
+
+
+def _with_narrow() -> dict:
+    return measured_with_narrow(0.01).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda d: d.update(narrow="fast"), "narrow"),
+        (lambda d: d.update(narrow=None), "narrow"),
+        (lambda d: d["narrow"].pop("step_s"), "narrow"),
+        (lambda d: d["narrow"].update(payload="x"), "narrow"),
+        (lambda d: d.update(source="emulated:rpi4"), "narrow"),  # an emulation scales by MACs, exactly
+        (lambda d: d["narrow"].update(width=1.0), "narrow.width"),  # the full model is no second point
+        (lambda d: d["narrow"].update(width=0.0), "narrow.width"),
+        (lambda d: d["narrow"].update(width=math.nan), "narrow.width"),
+        (lambda d: d["narrow"].update(width=True), "narrow.width"),
+        (lambda d: d["narrow"].update(step_s=math.inf), "narrow.step_s"),
+        (lambda d: d["narrow"].update(step_s=-0.01), "narrow.step_s"),
+        (lambda d: d["narrow"].update(step_s=0.0), "narrow.step_s"),
+        (lambda d: d["narrow"].update(step_s=1e9), "narrow.step_s"),
+        (lambda d: d["narrow"].update(step_s="0.01"), "narrow.step_s"),
+    ],
+)
+def test_a_bad_narrow_point_is_refused_naming_the_field(change, field) -> None:
+    data = _with_narrow()
+    change(data)
+    with pytest.raises(ProfileError) as caught:
+        parse_board_profile(data)
+    assert caught.value.field == field

@@ -8,7 +8,7 @@ import pytest
 
 from nestling.errors import ConfigError
 from nestling.models import ModelConfig, build
-from nestling.profiler.measure import latency_summary, model_parts, profile_model
+from nestling.profiler.measure import interleaved_steps, latency_summary, model_parts, profile_model
 from nestling.spec import SubmodelSpec
 
 
@@ -62,3 +62,19 @@ def test_latency_summary_reports_median_and_p90_in_milliseconds() -> None:
 def test_bad_settings_are_refused(tiny_spec: SubmodelSpec) -> None:
     with pytest.raises(ConfigError, match="batch >= 2"):
         profile_model(tiny_spec, batch=1)
+
+
+def test_interleaved_steps_time_every_spec_once_per_repeat_and_the_wider_one_is_slower() -> None:
+    model = ModelConfig("resnet20", in_channels=1, image_size=16)
+    full, narrow = SubmodelSpec.full(model), SubmodelSpec(model, width=0.25)
+    wide, small = interleaved_steps([full, narrow], batch=16, repeats=5, warmup=1)
+    assert len(wide) == len(small) == 5 and min(wide + small) > 0
+    # 16x fewer MACs: slower in turn, whatever the load does between repeats
+    assert sorted(w / s for w, s in zip(wide, small))[2] > 1.0
+
+
+def test_interleaved_steps_refuse_bad_settings(tiny_spec: SubmodelSpec) -> None:
+    with pytest.raises(ConfigError, match="specs, batch >= 2"):
+        interleaved_steps([], batch=8)
+    with pytest.raises(ConfigError, match="repeats >= 1"):
+        interleaved_steps([tiny_spec], batch=8, repeats=0)
