@@ -119,6 +119,79 @@ def one_run(
     }
 
 
+class Recorder:
+    """A tamper that changes nothing and keeps the last round's (task, result) pairs, for the timing below."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, list[tuple[Task, Result]]] = {}
+
+    def __call__(self, task: Task, result: Result) -> Result:
+        self.rounds.setdefault(task.round, []).append((task, result))
+        return result
+
+
+def interleaved_overhead(
+    method: str, pairs: list[tuple[Task, Result]], repeats: int
+) -> tuple[float, float, float]:
+    """Median seconds of (screening + guard + aggregation) and of aggregation alone on one recorded honest round,
+    timed alternately `repeats` times on fresh strategies (a noisy machine slows both alike); and their ratio."""
+    from statistics import median
+
+    from nestling.server.screening import (
+        GlobalLayout,
+        RobustPolicy,
+        direction_cosines,
+        direction_outliers,
+        flat_update,
+        largest_magnitude,
+        outliers,
+    )
+    from nestling.server.strategies import StrategyContext, create_strategy
+    from nestling.spec import SubmodelSpec
+
+    model = SubmodelSpec.from_dict(pairs[0][0].spec).model
+    ctx = StrategyContext(
+        arch=model.arch,
+        num_classes=model.num_classes,
+        in_channels=model.in_channels,
+        image_size=model.image_size,
+        num_clients=len(pairs),
+        total_rounds=1,
+        model_extra=dict(model.extra),
+    )
+    policy = RobustPolicy()
+    round_index = pairs[0][0].round
+    first = create_strategy(method, ctx)
+    # The coordinator keeps the global layout between rounds (positions cached per submodel layout).
+    layout = GlobalLayout({k: tuple(v.shape) for k, v in first.global_state.items() if v.is_floating_point()})
+
+    def aggregate_only() -> float:
+        strategy = create_strategy(method, ctx)
+        started = time.perf_counter()
+        strategy.aggregate(round_index, pairs)
+        return time.perf_counter() - started
+
+    def screened() -> float:
+        strategy = create_strategy(method, ctx)
+        started = time.perf_counter()
+        updates = [flat_update(task, result) for task, result in pairs]  # as the coordinator does on arrival
+        outliers([u.size for u in updates], policy)
+        direction_outliers(direction_cosines(updates, layout), policy)
+        snapshot = dict(strategy.state_tensors())  # the divergence guard: a snapshot by reference ...
+        before = largest_magnitude(strategy.global_state)
+        strategy.aggregate(round_index, pairs)
+        after = largest_magnitude(strategy.global_state)  # ... and the largest weight before and after
+        del snapshot, before, after
+        return time.perf_counter() - started
+
+    plain, guarded = [], []
+    aggregate_only(), screened()  # warm-up
+    for _ in range(repeats):
+        plain.append(aggregate_only())
+        guarded.append(screened())
+    return median(guarded), median(plain), median(guarded) / median(plain)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
@@ -132,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("mean", "trimmed_mean", "median"),
         help="[run] aggregation for every run, honest ones included (default: the methods' mean)",
     )
+    parser.add_argument("--repeats", type=int, default=30, help="interleaved timings of one recorded round")
     parser.add_argument("--quick", action="store_true", help="3 rounds: a smoke check, not a measurement")
     a = parser.parse_args(argv)
     if a.quick:
@@ -139,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from rich.progress import Progress
 
-    plan: list[tuple[str, Tamper | None, bool]] = [("honest", None, True), ("honest_unscreened", None, False)]
+    recorder = Recorder()
+    plan: list[tuple[str, Tamper | None, bool]] = [
+        ("honest", recorder, True),
+        ("honest_unscreened", None, False),
+    ]
     plan += [(name, attack, True) for name, attack in ATTACKS.items()]
     runs: dict[str, dict] = {}
     started = time.perf_counter()
@@ -160,7 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     worst_drop = max(100 * (honest["accuracy"] - run["accuracy"]) for run in attacks)
     finished = sum(run["finished"] for run in attacks)
-    overhead = honest["aggregate_seconds"] / max(runs["honest_unscreened"]["aggregate_seconds"], 1e-9)
+    in_run = honest["aggregate_seconds"] / max(runs["honest_unscreened"]["aggregate_seconds"], 1e-9)
+    last = recorder.rounds[max(recorder.rounds)]
+    screened_s, plain_s, overhead = interleaved_overhead(a.method, last, 3 if a.quick else a.repeats)
+    print(
+        f"one honest round of {len(last)} results, {3 if a.quick else a.repeats} interleaved timings: screening + "
+        f"guard + aggregation {1e3 * screened_s:.2f} ms, aggregation alone {1e3 * plain_s:.2f} ms "
+        f"(whole runs, as the coordinator counted: x{in_run:.2f})"
+    )
     print(
         f"{a.rounds} rounds, seed {a.seed}, {a.model}/{a.method}, aggregation {a.aggregation}; wall {time.perf_counter() - started:.0f}s; "
         f"honest screened == unscreened accuracy: {honest['accuracy'] == runs['honest_unscreened']['accuracy']}"

@@ -16,9 +16,10 @@ from dataclasses import dataclass, replace
 from statistics import median
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from nestling.config import RunSection
-from nestling.errors import ConfigError
+from nestling.errors import ConfigError, SpecError
 from nestling.messages import Result, Task
 
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -100,26 +101,24 @@ class FlatUpdate:
     size: UpdateSize
 
 
+@torch.no_grad()
 def flat_update(task: Task, result: Result) -> FlatUpdate:
     """result − task flattened in one pass; the norm is inf when any element (or the norm) is non-finite."""
-    keys = tuple(
-        key for key, value in result.weights.items() if value.is_floating_point() and key in task.weights
-    )
+    weights, sent_weights = result.weights, task.weights
+    keys = tuple(key for key, value in weights.items() if value.is_floating_point() and key in sent_weights)
     if not keys:
         return FlatUpdate((), (), torch.zeros(0), UpdateSize(0.0, 0))
-    trained_tensors = [result.weights[k] for k in keys]
-    sent_tensors = [task.weights[k] for k in keys]
-    if all(
-        a.dtype == torch.float32 and b.dtype == torch.float32 and a.shape == b.shape
-        for a, b in zip(trained_tensors, sent_tensors)
-    ):  # the common case in one fused subtraction and one copy (a third of the time of flattening both)
-        differences = torch._foreach_sub(trained_tensors, sent_tensors)
-        vector = torch.cat([d.reshape(-1) for d in differences])
-    else:  # mixed precision uploads: compare in float32
-        trained = torch.cat([t.detach().reshape(-1).float() for t in trained_tensors])
-        vector = trained.sub_(torch.cat([t.detach().reshape(-1).float() for t in sent_tensors]))
+    trained_tensors = [weights[k] for k in keys]
+    shapes = tuple(t.shape for t in trained_tensors)
+    # One C++ flattening per side (torch's own bucket flattening, as DDP uses) instead of a Python call per
+    # tensor: on a 34-tensor model this is a third of the time. Mixed precisions are compared in float32.
+    trained = _flatten_dense_tensors(trained_tensors)
+    sent = _flatten_dense_tensors([sent_weights[k] for k in keys])
+    if trained.numel() != sent.numel():
+        raise SpecError(f"result of {result.device_id} does not have its task's shapes")
+    # Out of place: flattening a single tensor returns a view of the uploaded weights themselves.
+    vector = torch.sub(trained.float(), sent.float())
     norm = float(torch.linalg.vector_norm(vector))  # float32: a norm that overflows it is non-finite
-    shapes = tuple(tuple(result.weights[k].shape) for k in keys)
     return FlatUpdate(
         keys, shapes, vector, UpdateSize(norm if math.isfinite(norm) else math.inf, vector.numel())
     )

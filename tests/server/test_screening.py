@@ -137,3 +137,19 @@ def test_direction_needs_three_updates_a_consensus_and_refuses_only_a_minority()
     assert direction_outliers([0.9, -0.9, -0.8, -0.85], policy) == {}  # a majority against: nothing to defend
     assert direction_outliers([0.9, 0.8, 0.85, -0.9], RobustPolicy(min_update_cosine=-1.0)) == {}  # off
     assert direction_outliers([0.9, 0.5, 0.95, 0.4, 0.9], policy) == {}  # low but positive: honest non-IID
+
+
+def test_flattening_never_writes_into_the_upload_and_compares_mixed_precision_in_float32() -> None:
+    from nestling.server.screening import flat_update
+
+    task, result = pair(0.5)  # one floating tensor: flattening it alone is a view of the upload itself
+    before = result.weights["w"].clone()
+    update = flat_update(task, result)
+    assert torch.equal(result.weights["w"], before) and torch.equal(task.weights["w"], torch.ones(4))
+    assert update.vector.dtype == torch.float32 and update.size.norm == pytest.approx(1.0)
+    half = Result(
+        **{**result.__dict__, "weights": {"w": before.to(torch.bfloat16), "steps": torch.tensor(9)}}
+    )
+    assert flat_update(task, half).vector.dtype == torch.float32
+    assert flat_update(task, half).size.norm == pytest.approx(1.0)
+    assert update.shapes == ((4,),)
