@@ -116,6 +116,41 @@ class StrategyContext:
         return cls(**{k: v for k, v in record.items() if k in known})
 
 
+def option_kind(default: Any) -> tuple[type, ...] | None:
+    """The JSON kinds an option with this default accepts (None: any)."""
+    if default is None:
+        return None
+    if isinstance(default, bool):
+        return (bool,)
+    if isinstance(default, int):
+        return (int,)
+    if isinstance(default, float):
+        return (int, float)
+    if isinstance(default, (list, tuple)):
+        return (list, tuple)
+    return (type(default),)
+
+
+def check_option(method: str, key: str, value: Any, kinds: tuple[type, ...] | None) -> None:
+    """Refuse an option value of the wrong kind, naming the option (bool is not a number here)."""
+    if kinds is None:
+        return
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    fits = any(
+        isinstance(value, bool)
+        if kind is bool
+        else (is_number and isinstance(value, kind))
+        if kind in (int, float)
+        else isinstance(value, kind)
+        for kind in kinds
+    )
+    if isinstance(value, float) and is_number and not math.isfinite(value):
+        fits = False
+    if not fits:
+        names = " or ".join(kind.__name__ for kind in kinds)
+        raise ConfigError(f"[method] {method} option {key} must be {names}, got {value!r}")
+
+
 class Strategy(ABC):
     """Owns the server-side model state of one method; the coordinator drives it round by round.
 
@@ -128,6 +163,9 @@ class Strategy(ABC):
     # ScaleFL uploads only tensors that received a gradient; every other method must upload its whole slice.
     partial_uploads: ClassVar[bool] = False
     option_defaults: ClassVar[dict[str, Any]] = {}
+    # Each option's type is its default's (an int default takes ints, a float default ints or floats, a list or
+    # tuple default a list); options that take several kinds, or whose default is None, declare them here.
+    option_types: ClassVar[dict[str, tuple[type, ...] | None]] = {}
     # What a profiled board's plan says when the method does not size it with `fit_by_budget`.
     sizing_reason: ClassVar[str] = "not sized"
     # How `nestling plan` sizes this method's boards from budgets (server/plan_methods.py): "family" (the
@@ -141,6 +179,10 @@ class Strategy(ABC):
             raise ConfigError(
                 f"[method] {self.name} has no options {sorted(unknown)} "
                 f"(known: {', '.join(sorted(self.option_defaults)) or 'none'})"
+            )
+        for key, value in ctx.options.items():
+            check_option(
+                self.name, key, value, self.option_types.get(key, option_kind(self.option_defaults[key]))
             )
         self.ctx = ctx
         self.options = {**self.option_defaults, **ctx.options}

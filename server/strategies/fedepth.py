@@ -62,6 +62,7 @@ class FeDepth(Strategy):
 
     name = "fedepth"
     planning = "depthwise"
+    option_types: ClassVar[dict[str, tuple[type, ...] | None]] = {"budgets": (str, list, tuple)}
     sizing_reason = "decomposed by memory"  # a profiled board's stages follow its measured memory
     procedure = "fedepth"
     option_defaults: ClassVar[dict[str, Any]] = {

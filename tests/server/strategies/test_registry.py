@@ -89,3 +89,20 @@ def test_every_methods_tasks_fit_its_procedures_typed_record(method: str) -> Non
     for round_index in (0, 3):
         for task in strategy.assign(round_index, devices).values():
             check_hparams(task.procedure, task.hparams)
+
+
+@pytest.mark.parametrize("method", sorted(STRATEGIES))
+def test_every_option_is_typed_by_its_declaration(method: str) -> None:
+    """A value of the wrong kind is refused naming the option; every default passes its own check."""
+    from nestling.errors import ConfigError
+    from nestling.server.strategies.base import check_option, option_kind
+
+    cls = STRATEGIES[method]
+    for key, default in cls.option_defaults.items():
+        kinds = cls.option_types.get(key, option_kind(default))
+        check_option(method, key, list(default) if isinstance(default, tuple) else default, kinds)
+        if kinds is None:
+            continue
+        wrong = {"text"} if str not in kinds else 3.5j  # a set / a complex number is no option's kind
+        with pytest.raises(ConfigError, match=f"option {key} must be"):
+            check_option(method, key, wrong, kinds)
