@@ -50,7 +50,11 @@ def test_the_standalone_form_gives_the_same_outputs(arch: str) -> None:
         standalone = build_standalone(net, plan_outputs(net))
         x = torch.randn(3, 3, IMAGE, IMAGE)
         with torch.no_grad():
-            torch.testing.assert_close(standalone(x), net(x), rtol=1e-4, atol=1e-5)
+            reference = net(x)
+            # float32 rounding scales with the largest output: untrained deep ResNets in eval mode (BN with unit
+            # statistics over dozens of residual sums) reach 1e1-1e5, where 1e-5 absolute is below an ulp.
+            scale = max(1.0, float(reference.abs().max()))
+            torch.testing.assert_close(standalone(x), reference, rtol=1e-4, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
