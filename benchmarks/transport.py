@@ -129,7 +129,8 @@ def chunked_over_raw(port: int, repeats: int) -> float:
 def echo_agents(port: int, count: int) -> None:
     """Agents that answer each task at once with its own weights: the coordination path without training.
 
-    They speak the protocol like edge/agent.py: retained status on connect, hello again when the server asks."""
+    They speak the protocol like edge/agent.py: retained status on connect, hello again when the server asks or
+    announces a session (a server ignores retained frames it finds on connecting)."""
     topics = FleetTopics(FLEET)
     clients = []
     for index in range(count):
@@ -141,6 +142,10 @@ def echo_agents(port: int, count: int) -> None:
 
         def on_message(cl, _u, message, device_id=device_id, inbound=inbound, hello=hello) -> None:
             payload = message.payload
+            if message.topic == topics.server_status:
+                if payload and payload != OFFLINE:  # a server (re)started: say hello to its session
+                    cl.publish(topics.hello(device_id), hello, qos=QOS)
+                return
             kind = read_header(payload)["kind"]
             if message.topic == topics.ctrl(device_id):
                 if kind == REHELLO:
@@ -159,7 +164,9 @@ def echo_agents(port: int, count: int) -> None:
 
         client.on_message = on_message
         connect_and_wait(client, "127.0.0.1", port)
-        client.subscribe([(topics.task(device_id), QOS), (topics.ctrl(device_id), QOS)])
+        client.subscribe(
+            [(topics.task(device_id), QOS), (topics.ctrl(device_id), QOS), (topics.server_status, QOS)]
+        )
         client.publish(topics.hello(device_id), hello, qos=QOS)
         status = encode_status(DeviceStatus(device_id, "online", None, {}))
         client.publish(topics.status(device_id), status, qos=QOS, retain=True)
