@@ -11,8 +11,10 @@ The fleet is the simulator's in-process transport on the virtual clock with simu
 device's training and transfers take exactly what an emulating agent pads itself to (benchmarks/fidelity.py
 holds replay and loopback fleet to each other), so eight boards run on one core without the host's speed
 entering. The host's own prediction error is measured for real: this host profiles itself once
-(edge/self_profile.measure_profile) and its per-part latencies, scaled to each trained submodel × its
-steps, are compared with the training time the host really took for every task of both runs.
+(edge/self_profile.measure_profile: per-part latencies and the narrow point) and its prediction for each trained
+submodel × its steps is compared with the training time the host really took for every task of both runs. This
+host is shared: it profiles itself again at the end (how far its speed moved meanwhile), and the same predictions
+corrected as the server corrects a board's (profiler.fit.SpeedFeedback over the tasks in order) are printed too.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.planning [--quick]
 Last line: `deadline_hit_profiled=… deadline_hit_tiers=… time_pred_median_err=… replan_rounds=…` — board-rounds
@@ -188,8 +190,21 @@ def median_error(pairs: list[tuple[float, float]]) -> float:
     return statistics.median(abs(p - o) / o for p, o in pairs if o > 0) if pairs else float("nan")
 
 
-def host_profile(model: str) -> Any:
-    """This host measures the full NeFL-WD model at batch 32, as an agent does on first start."""
+def corrected_pairs(pairs: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Each prediction × the speed factor the server's feedback would hold after the tasks before it: what the
+    planner predicts for a board whose speed drifts (here: a shared host's load)."""
+    from nestling.profiler.fit import SpeedFeedback
+
+    feedback = SpeedFeedback()
+    out = []
+    for predicted, observed in pairs:
+        out.append((predicted * feedback.factor("host"), observed))
+        feedback.observe("host", predicted, observed)
+    return out
+
+
+def host_profile(model: str) -> tuple[Any, Any]:
+    """This host measures the full NeFL-WD model at batch 32, as an agent does on first start: (profile, spec)."""
     from nestling.data import load_dataset
     from nestling.edge.self_profile import ProfileInputs, measure_profile
     from nestling.server.strategies import StrategyContext, create_strategy
@@ -197,7 +212,7 @@ def host_profile(model: str) -> Any:
     bundle = load_dataset("digits", None, seed=0)
     ctx = StrategyContext(model, bundle.num_classes, bundle.input_shape[0], bundle.input_shape[1], 8, 1)
     spec = create_strategy("nefl-wd", ctx).full_spec
-    return measure_profile(ProfileInputs(spec.to_dict(), 32, "cpu", 0.2), repeats=10, warmup=3)
+    return measure_profile(ProfileInputs(spec.to_dict(), 32, "cpu", 0.2), repeats=10, warmup=3), spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     slow_from, slow_until = a.rounds // 3, 2 * a.rounds // 3
     started = time.perf_counter()
-    board = host_profile(a.model)
+    board, full_spec = host_profile(a.model)
     kwargs = dict(
         rounds=a.rounds, slow_from=slow_from, slow_until=slow_until, deadline_s=a.deadline, host_board=board,
         seed=a.seed, model=a.model, limit_train=480 if a.quick else None,
@@ -237,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     replan = replan_rounds(profiled, slow_from)
     back = recovered_after(profiled, slow_until)
     host_err = median_error(profiled.host + tiers.host)
+    again, _ = host_profile(a.model)
+    print(
+        f"host full step {board.step_s * 1000:.1f} ms at the start, {again.step_s * 1000:.1f} ms at the end "
+        f"(x{again.step_s / board.step_s:.2f}); narrow point {board.narrow.step_s * 1000 if board.narrow else 0:.1f} "
+        f"ms, fixed {board.fixed_step_s(full_spec.model) * 1000:.1f} ms per step; host prediction corrected "
+        f"by the feedback: median error {median_error(corrected_pairs(profiled.host) + corrected_pairs(tiers.host)):.3f}"
+    )
     print(
         f"{a.rounds} rounds, deadline {profiled.deadline_s:.2f}s, {a.model}, slowdown x2 of {SLOWED} in rounds "
         f"[{slow_from}, {slow_until}); back on its submodel {back} rounds after; emulated-board prediction "
