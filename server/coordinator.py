@@ -145,6 +145,7 @@ class Coordinator:
         self.aggregate_seconds = 0.0  # screening + aggregation + divergence guard, the robustness overhead
         self._registered: dict[str, DeviceInfo] = {}
         self._updates: dict[str, FlatUpdate] = {}  # task id -> its flat update, for this round's screening
+        self._refused_tasks: set[str] = set()  # this round's tasks whose result arrived and was refused
         self._global_layout: GlobalLayout | None = None
         self._judged: set[str] = set()  # devices whose result reached validation this round
         self._non_finite: set[str] = set()  # ... and of those, the ones whose tensors were NaN/Inf
@@ -175,6 +176,7 @@ class Coordinator:
         selected = self.select(round_index, available)
         self._registered = {d.device_id: d for d in selected}
         self._updates, self._judged, self._non_finite = {}, set(), set()
+        self._refused_tasks = set()
         tasks = self.strategy.assign(round_index, selected)
         plans, replans = self.strategy.plan_report(round_index, selected, tasks)
         dispatched_at = self.clock.now()
@@ -184,6 +186,9 @@ class Coordinator:
             self.strategy.observe_training(
                 plans, _observed(plans, accepted, self.clock.now() - dispatched_at)
             )
+        # The quorum counts the round's tasks whose result arrived, accepted or refused: a refused update (an
+        # attacker's, or an honest outlier's) must not cost the round the results that were accepted.
+        received = len(accepted) + len(self._refused_tasks - {result.task_id for _, result in accepted})
         screen_started = time.perf_counter()
         accepted = self._screen_round(round_index, accepted, counters)
         self.aggregate_seconds += time.perf_counter() - screen_started
@@ -195,18 +200,21 @@ class Coordinator:
             counters["discarded_after_rollback"] += len(accepted)
             accepted = []
         quorum = max(1, math.ceil(self.policy.quorum * min(self.needed(), len(tasks))))
-        aggregated = len(accepted) >= quorum
+        aggregated = received >= quorum and bool(accepted)
         if aggregated:
             aggregate_started = time.perf_counter()
             aggregated = self._aggregate_guarded(round_index, accepted, counters)
             self.aggregate_seconds += time.perf_counter() - aggregate_started
             if not aggregated:
                 rolled_back, quarantined = round_index, self._quarantine(round_index, accepted)
-        else:
+        elif received < quorum:
             counters["rounds_below_quorum"] += 1
             log.warning(
-                "round %d: %d results < quorum %d; global model unchanged", round_index, len(accepted), quorum
+                "round %d: %d results < quorum %d; global model unchanged", round_index, received, quorum
             )
+        elif rolled_back is None:
+            counters["rounds_all_refused"] += 1
+            log.warning("round %d: every result was refused; global model unchanged", round_index)
         record = RoundRecord(
             round=round_index,
             wall_seconds=0.0,
@@ -270,6 +278,8 @@ class Coordinator:
                     verdict = "rejected_error"
                 if verdict:
                     counters[verdict] += 1
+                    if verdict.startswith("rejected_") and result.task_id in by_task:
+                        self._refused_tasks.add(result.task_id)
                     if verdict.startswith("rejected_") and hasattr(self.transport, "reopen"):
                         self.transport.reopen(result.task_id)  # a corrected result is still welcome
                     continue

@@ -47,6 +47,18 @@ def test_a_huge_valued_board_is_refused_in_the_simulator(tmp_path: Path) -> None
     assert summary["quarantined"] == []
 
 
+@pytest.mark.parametrize("attack", ["huge_values", "sign_flipped"])
+def test_with_quorum_one_a_refused_board_does_not_cost_the_round(tmp_path: Path, attack: str) -> None:
+    """The quorum counts results that arrived valid: one refused update (an attacker's, or an honest outlier
+    the direction screen refuses) leaves the round to the others instead of abandoning it."""
+    run_simulation(tiny(quorum=1.0, rounds=3), tmp_path, tamper=ATTACKS[attack])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    refused = {"huge_values": "rejected_update_norm", "sign_flipped": "rejected_update_direction"}[attack]
+    assert all(r["aggregated"] and r["accepted"] == 3 for r in records)
+    assert sum(r["counters"].get(refused, 0) for r in records) >= 1
+    assert not any(r["counters"].get("rounds_below_quorum") for r in records)
+
+
 @pytest.mark.parametrize("method", ["heterofl", "nefl-wd", "depthfl"])
 @pytest.mark.parametrize("rule", ["trimmed_mean", "median"])
 def test_robust_rules_aggregate_every_nested_strategy(tmp_path: Path, method: str, rule: str) -> None:
