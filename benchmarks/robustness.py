@@ -84,6 +84,7 @@ def config(a: argparse.Namespace, screening: bool) -> Any:
                 "screen_updates": screening,
                 "divergence_guard": screening,
                 "aggregation": a.aggregation,
+                **({} if a.min_update_cosine is None else {"min_update_cosine": a.min_update_cosine}),
             },
             "data": {"dataset": "digits", "clients": 10},
             "model": {"arch": a.model},
@@ -206,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         help="[run] aggregation for every run, honest ones included (default: the methods' mean)",
     )
     parser.add_argument("--repeats", type=int, default=30, help="interleaved timings of one recorded round")
+    parser.add_argument(
+        "--min-update-cosine",
+        type=float,
+        default=None,
+        help="[run] min_update_cosine (default: the run default)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 rounds: a smoke check, not a measurement")
     a = parser.parse_args(argv)
     if a.quick:
