@@ -93,6 +93,9 @@ class Agent:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> Agent:
+        # torch's lazy imports (seconds on a small or busy board) are paid before the board says hello, so no
+        # task waits behind them: an emulated board's download would otherwise count them as its own time.
+        warm_up()
         self.link.start()
         for target, name in ((self._control, "control"), (self._work, "worker")):
             thread = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
@@ -184,7 +187,6 @@ class Agent:
 
     # -- worker thread ---------------------------------------------------------------------------
     def _work(self) -> None:
-        warm_up()
         while (job := self.jobs.take()) is not None:
             if isinstance(
                 job, ExportJob
