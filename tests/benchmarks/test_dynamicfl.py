@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.quick_run import run_benchmark, run_script_help
 
 
 @pytest.mark.slow
 def test_quick_mode_prints_the_verdict_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.dynamicfl", "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    figures = dict(item.split("=", 1) for item in done.stdout.strip().splitlines()[-1].split())
+    last = run_benchmark("dynamicfl", "--quick")[-1]
+    figures = dict(item.split("=", 1) for item in last.split())
     assert {"dynamicfl_acc", "fedavg_acc", "gain_by_capacity", "time_ratio_by_capacity"} <= set(figures)
     assert len(figures["gain_by_capacity"].split("/")) == 3
     ratios = [float(r) for r in figures["time_ratio_by_capacity"].split("/")]
@@ -31,11 +18,4 @@ def test_quick_mode_prints_the_verdict_line() -> None:
 
 
 def test_help_runs_as_a_script() -> None:
-    done = subprocess.run(
-        [sys.executable, "benchmarks/dynamicfl.py", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0 and "--quick" in done.stdout
+    assert "--quick" in run_script_help("dynamicfl")

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.quick_run import run_benchmark
 
 
 @pytest.mark.slow
 def test_quick_mode_grows_a_family_and_prints_the_verdict_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fedtrans", "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.strip().splitlines()
+    lines = run_benchmark("fedtrans", "--quick")
     verdict = re.fullmatch(r"fedtrans_acc=([\d.]+) heterofl_acc=([\d.]+) mac_ratio=([\d.]+)", lines[-1])
     assert verdict, lines[-1]
     assert 0 < float(verdict.group(3)) < 10 and 0 <= float(verdict.group(1)) <= 100

@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.quick_run import run_benchmark, run_script_help
 
 
 @pytest.mark.slow
 def test_quick_mode_prints_the_verdict_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.planning", "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    last = done.stdout.strip().splitlines()[-1]
+    last = run_benchmark("planning", "--quick", timeout=900)[-1]
     keys = [item.split("=")[0] for item in last.split()]
     assert keys == ["deadline_hit_profiled", "deadline_hit_tiers", "time_pred_median_err", "replan_rounds"]
     figures = dict(item.split("=") for item in last.split())
@@ -32,11 +18,4 @@ def test_quick_mode_prints_the_verdict_line() -> None:
 
 
 def test_help_runs_as_a_script() -> None:
-    done = subprocess.run(
-        [sys.executable, "benchmarks/planning.py", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0 and "--quick" in done.stdout
+    assert "--quick" in run_script_help("planning")
