@@ -225,9 +225,11 @@ def test_agent_config_errors_name_the_key():
         agent_config_from_dict({"device": {"id": "a/b"}})
 
 
-def test_the_device_store_survives_an_agent_restart_with_a_state_file(broker, server, tmp_path):
-    from nestling.edge.procedures.feddyn import STORE_KEY
-
+def _train_once_with_a_state_file(
+    broker, server, tmp_path, method: str, local: dict, options: dict, session: str
+):
+    """An agent with `[device] state_file` trains one task of `method`; (agent config, data, the stopped agent,
+    the task, the result it sent)."""
     config = agent_config_from_dict(
         {
             "broker": {"url": broker.url, "fleet": FLEET},
@@ -243,22 +245,38 @@ def test_the_device_store_survives_an_agent_restart_with_a_state_file(broker, se
         image_size=16,
         num_clients=4,
         total_rounds=3,
-        local={"local_steps": 2, "batch_size": 8},
-        options={"feddyn_alpha": 0.1},
+        local=local,
+        options=options,
     )
-    task = create_strategy("depthfl", ctx).assign(0, [DeviceInfo(DEVICE, 3, 40)])[DEVICE]
+    task = create_strategy(method, ctx).assign(0, [DeviceInfo(DEVICE, 3, 40)])[DEVICE]
     data = ClientData(
         torch.randn(40, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 10
     )
     first = Agent(config, data).start()
     try:
         server.next("hello")
-        server.announce("s-state")
-        for chunk in split_into_chunks("task-state", encode_task(task, "s-state"), 64 * 1024):
+        server.announce(session)
+        for chunk in split_into_chunks(f"task-{session}", encode_task(task, session), 64 * 1024):
             server.publish(server.topics.task(DEVICE), chunk)
-        assert server.next_result().task_id == task.task_id
+        result = server.next_result()
     finally:
         first.stop()
+    return config, data, first, task, result
+
+
+def test_the_device_store_survives_an_agent_restart_with_a_state_file(broker, server, tmp_path):
+    from nestling.edge.procedures.feddyn import STORE_KEY
+
+    config, data, first, task, result = _train_once_with_a_state_file(
+        broker,
+        server,
+        tmp_path,
+        "depthfl",
+        {"local_steps": 2, "batch_size": 8},
+        {"feddyn_alpha": 0.1},
+        "s-state",
+    )
+    assert result.task_id == task.task_id
     h = first.store[STORE_KEY]
     assert h and any(bool(v.abs().sum() > 0) for v in h.values())  # FedDyn's h_k moved during training
     restarted = Agent(config, data)  # a power cut later: the new process reads the file
@@ -270,39 +288,17 @@ def test_a_dynamicfl_structure_survives_an_agent_restart_with_a_state_file(broke
     """The board's re-parameterised structure ζ_i and salience (METHODS §5.a.6) outlive the agent process."""
     from nestling.reparam import DynamicState
 
-    config = agent_config_from_dict(
-        {
-            "broker": {"url": broker.url, "fleet": FLEET},
-            "device": {"id": DEVICE, "memory_budget_mb": 48, "state_file": "state/store.safetensors"},
-            "agent": {"heartbeat_s": 0.5},
-        },
-        base=tmp_path,
+    config, data, first, task, result = _train_once_with_a_state_file(
+        broker,
+        server,
+        tmp_path,
+        "dynamicfl",
+        {"local_epochs": 2, "batch_size": 8},
+        {"capacities": [2]},
+        "s-dyn",
     )
-    ctx = StrategyContext(
-        arch="tinycnn",
-        num_classes=10,
-        in_channels=1,
-        image_size=16,
-        num_clients=4,
-        total_rounds=3,
-        local={"local_epochs": 2, "batch_size": 8},
-        options={"capacities": [2]},
-    )
-    task = create_strategy("dynamicfl", ctx).assign(0, [DeviceInfo(DEVICE, 3, 40)])[DEVICE]
     assert task.hparams["capacity"] == 2
-    data = ClientData(
-        torch.randn(40, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(40) % 10
-    )
-    first = Agent(config, data).start()
-    try:
-        server.next("hello")
-        server.announce("s-dyn")
-        for chunk in split_into_chunks("task-dyn", encode_task(task, "s-dyn"), 64 * 1024):
-            server.publish(server.topics.task(DEVICE), chunk)
-        result = server.next_result()
-        assert result.task_id == task.task_id and set(result.weights) == set(task.weights)  # plain upload
-    finally:
-        first.stop()
+    assert result.task_id == task.task_id and set(result.weights) == set(task.weights)  # plain upload
     before = DynamicState.from_store(first.store["dynamicfl"])
     assert len(before.structure) == 2 and before.local_salience
     after = DynamicState.from_store(Agent(config, data).store["dynamicfl"])
