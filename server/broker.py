@@ -185,19 +185,19 @@ def broker_main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=1883, help="TCP port (0 picks a free one; default 1883)")
     args = parser.parse_args(argv)
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Both signals only set the event: a KeyboardInterrupt raised wherever the main thread happens to be
+    # (still printing the banner on a busy host, say) would skip the clean shutdown and exit with a traceback.
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with EmbeddedBroker(args.host, args.port) as broker:
             print(
                 f"embedded MQTT broker listening on {broker.url} (anonymous, no TLS); Ctrl-C stops it",
                 flush=True,
             )
-            try:
-                while not stop.wait(0.5):
-                    pass
-            except KeyboardInterrupt:
+            while not stop.wait(0.5):
                 pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print("broker stopped", flush=True)
     return 0
