@@ -1,14 +1,11 @@
-"""Cells of a growable model (METHODS §4.a.1): the residual blocks of a ResNet-family layout.
+"""Cells of a growable model (METHODS §4.a.1): the residual blocks of a family that has a layout.
 
-A cell is the unit FedTrans widens or deepens. For the ResNet families (CIFAR ResNets, PreResNet, ResNet-18/34,
-the tiny CNN, all `ResNetFamily`) a cell is one residual block `blocks.{i}`; its growable width is the block's
-internal width (conv1's outputs), carried by `extra["layout"]` (nestling.models.config.validated_layout).
-The tiny CNN is such a family already (one BasicBlock per stage), so it grows with no further code.
-
-What the ViT would need for the same kernel: `ViTFamily` must read a layout too (blocks per model and per-block
-MLP width or head count), widening would replicate fc1 rows / divide fc2 columns (no norm sits between them, so
-no statistics to copy) or whole heads in q, k, v and divide proj's columns, and deepening would insert an encoder
-block with proj and fc2 weights and biases zeroed (exact in train and eval mode, LayerNorm has no running state).
+A cell is the unit FedTrans widens or deepens: one block `blocks.{i}`. Its growable width and the block count
+per stage are carried by `extra["layout"]` (nestling.models.config.validated_layout); which tensors a
+transformation touches is the family's answer to `growth_cells` (nestling.models.family.GrowthCells):
+* the ResNet families (CIFAR ResNets, PreResNet, ResNet-18/34, the tiny CNN, whose conv layers are one
+  BasicBlock per stage): a residual block, grown in its internal width (conv1's outputs);
+* the ViT: an encoder block, grown in its MLP hidden width (fc1's outputs).
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ import torch
 
 from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
-from nestling.models.family import family_of
-from nestling.models.resnet_family import ResNetFamily
+from nestling.models.family import GrowthCells, ModelFamily, family_of
 
 State = dict[str, torch.Tensor]
 CELL_KINDS = ("inherited", "widened", "inserted")
@@ -70,18 +66,26 @@ class CellOrigin:
 Provenance = tuple[CellOrigin, ...]  # one CellOrigin per cell of the newer model
 
 
-def growable_family(config: ModelConfig) -> ResNetFamily:
+def growable_family(config: ModelConfig) -> ModelFamily:
     """The family of `config`, refused clearly when FedTrans cannot grow it."""
     family = family_of(config.arch)
-    if not isinstance(family, ResNetFamily):
+    if not family.supports_layout or family.growth_cells(config.extra) is None:
         raise ConfigError(
-            f"[model] FedTrans grows ResNet-family models (cells = residual blocks); '{config.arch}' is not one"
+            f"[model] FedTrans grows the ResNet families and the ViT (cells = residual or encoder blocks); "
+            f"model family '{config.arch}' has no growable blocks"
         )
     if config.exit_points:
         raise ConfigError("[model] FedTrans grows single-head models; exit_points must be empty")
     if config.norm_stats == "per_width":
         raise ConfigError("[model] FedTrans cannot grow per-width BN statistics (norm_stats 'per_width')")
     return family
+
+
+def growth_cells(config: ModelConfig) -> GrowthCells:
+    """The tensors a transformation of `config`'s blocks touches (its family's answer)."""
+    cells = growable_family(config).growth_cells(config.extra)
+    assert cells is not None  # growable_family refused families without them
+    return cells
 
 
 def layout_of(config: ModelConfig) -> Layout:

@@ -1,7 +1,9 @@
-"""Function-preserving growth of a ResNet-family model: Net2WiderNet and identity-block insertion (METHODS §4.a.3-4).
+"""Function-preserving growth of a growable model: Net2WiderNet and identity-block insertion (METHODS §4.a.3-4).
 
 Both take a state dict and its ModelConfig and return a new (config, state, provenance) without touching the
 parent. The state's dtype is kept (float32 or float64), so preservation can be checked at either precision.
+Which tensors they touch is the family's `growth_cells` (a ResNet block's conv1/BN/conv2, a ViT encoder
+block's fc1/fc2 and output projections); the operations themselves are family-agnostic.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from nestling.growth.cells import (
     cell_parameter_count,
     cell_prefix,
     compose,
-    growable_family,
+    growth_cells,
     identity_provenance,
     layout_of,
     with_layout,
@@ -40,14 +42,10 @@ class Grown:
     provenance: Provenance
 
 
-def _hidden_norm(preact: bool) -> str:
-    # BasicBlock: conv1 → bn1 → ReLU → conv2; PreActBlock: bn1 → conv1 → bn2 → ReLU → conv2.
-    return "bn2" if preact else "bn1"
-
-
 def _check_state(state: Mapping[str, torch.Tensor], config: ModelConfig, layout: Layout) -> None:
     blocks = sum(layout.stage_blocks)
-    if f"{cell_prefix(blocks - 1)}conv1.weight" not in state or f"{cell_prefix(blocks)}conv1.weight" in state:
+    producer = growth_cells(config).producer
+    if f"{cell_prefix(blocks - 1)}{producer}" not in state or f"{cell_prefix(blocks)}{producer}" in state:
         raise ConfigError(f"the state does not hold the {blocks} blocks its config {config.arch} describes")
 
 
@@ -62,12 +60,13 @@ def widen(
 ) -> Grown:
     """Net2WiderNet on block `cell`'s internal width H → round(H·factor) (METHODS §4.a.3).
 
-    New unit j copies a uniformly drawn original unit g(j) (conv1 rows, the BN's affine and running
-    statistics); conv2's input columns are divided by the replication count c(g(j)), originals included, so
-    the block computes the same function. `noise` > 0 adds N(0, (noise·std(conv1))²) to the copied conv1 rows
-    to break the replicas' symmetry; it breaks exact preservation, so it is off by default.
+    New unit j copies a uniformly drawn original unit g(j) (the producer's rows and bias, a BN's affine and
+    running statistics between producer and consumer); the consumer's input columns are divided by the
+    replication count c(g(j)), originals included, so the block computes the same function (ResNet: conv1 →
+    BN → ReLU → conv2; ViT: fc1 → GELU → fc2). `noise` > 0 adds N(0, (noise·std(producer))²) to the copied
+    producer rows to break the replicas' symmetry; it breaks exact preservation, so it is off by default.
     """
-    family = growable_family(config)
+    recipe = growth_cells(config)
     layout = layout_of(config)
     _check_state(model_state, config, layout)
     if not 0 <= cell < len(layout.block_hidden):
@@ -83,20 +82,18 @@ def widen(
     counts = torch.bincount(source, minlength=old)
 
     prefix = cell_prefix(cell)
-    norm = f"{prefix}{_hidden_norm(family.preact)}."
     state: State = {key: tensor.clone() for key, tensor in model_state.items()}
-    conv1 = state[f"{prefix}conv1.weight"][source]
+    for name in recipe.rows:
+        if f"{prefix}{name}" in state:
+            state[f"{prefix}{name}"] = state[f"{prefix}{name}"][source].clone()
+    producer = state[f"{prefix}{recipe.producer}"]
     if noise > 0:
-        scale = noise * float(conv1[:old].std())
-        fresh = torch.randn(conv1[old:].shape, generator=generator, dtype=torch.float64) * scale
-        conv1[old:] += fresh.to(conv1.dtype)
-    state[f"{prefix}conv1.weight"] = conv1
-    for name in ("weight", "bias", "running_mean", "running_var"):
-        if f"{norm}{name}" in state:
-            state[f"{norm}{name}"] = state[f"{norm}{name}"][source].clone()
-    conv2 = state[f"{prefix}conv2.weight"]
-    divisor = counts[source].to(conv2.dtype).reshape(1, -1, 1, 1)
-    state[f"{prefix}conv2.weight"] = conv2[:, source] / divisor
+        scale = noise * float(producer[:old].std())
+        fresh = torch.randn(producer[old:].shape, generator=generator, dtype=torch.float64) * scale
+        producer[old:] += fresh.to(producer.dtype)
+    consumer = state[f"{prefix}{recipe.consumer}"]
+    divisor = counts[source].to(consumer.dtype).reshape(1, -1, *([1] * (consumer.dim() - 2)))
+    state[f"{prefix}{recipe.consumer}"] = consumer[:, source] / divisor
 
     hidden = list(layout.block_hidden)
     hidden[cell] = new
@@ -117,12 +114,14 @@ def deepen(
     """Insert an identity residual block at `position` (1..blocks) of `stage` (METHODS §4.a.4, DECISION).
 
     The new block is freshly initialised like the zoo's models (from `rng`), then its residual branch is
-    zeroed at its last layer: BasicBlock's last BN γ = β = 0 (the branch adds 0, and ReLU(0 + x) = x because x
-    is already a ReLU output), PreActBlock's conv2 = 0 (its branch has no BN after conv2; zeroing bn2 would
-    leave the branch without a gradient). Exact in train and eval mode. Position 0 is refused: a stage's first
-    block carries the stride and projection, and moving it would change the function.
+    zeroed at its last layer (the family's `growth_cells().zeroed`): BasicBlock's last BN γ = β = 0 (the
+    branch adds 0, and ReLU(0 + x) = x because x is already a ReLU output), PreActBlock's conv2 = 0 (its
+    branch has no BN after conv2; zeroing bn2 would leave the branch without a gradient), the ViT encoder
+    block's attention proj and MLP fc2. Exact in train and eval mode. Position 0 is refused: a ResNet stage's
+    first block carries the stride and projection, and moving it would change the function (FedTrans inserts
+    after a selected block, so it never asks for position 0).
     """
-    family = growable_family(config)
+    recipe = growth_cells(config)
     layout = layout_of(config)
     _check_state(model_state, config, layout)
     if not 0 <= stage < len(layout.stage_blocks):
@@ -138,7 +137,7 @@ def deepen(
     blocks = list(layout.stage_blocks)
     blocks[stage] += 1
     hidden = list(layout.block_hidden)
-    hidden.insert(inserted, family.stage_widths[stage])
+    hidden.insert(inserted, recipe.inserted_hidden[stage])
     grown = with_layout(config, Layout(tuple(blocks), tuple(hidden)))
 
     state: State = {}
@@ -148,7 +147,7 @@ def deepen(
             key = f"{cell_prefix(cell + 1)}{key.split('.', 2)[2]}"
         state[key] = tensor.clone()
     dtype = next(t.dtype for t in model_state.values() if t.is_floating_point())
-    for name, tensor in _fresh_block(grown, inserted, rng, family.preact).items():
+    for name, tensor in _fresh_block(grown, inserted, rng, recipe.zeroed).items():
         state[f"{cell_prefix(inserted)}{name}"] = tensor.to(dtype) if tensor.is_floating_point() else tensor
 
     provenance: list[CellOrigin] = []
@@ -160,7 +159,9 @@ def deepen(
     return Grown(grown, state, tuple(provenance))
 
 
-def _fresh_block(config: ModelConfig, cell: int, rng: torch.Generator | None, preact: bool) -> State:
+def _fresh_block(
+    config: ModelConfig, cell: int, rng: torch.Generator | None, zeroed: tuple[str, ...]
+) -> State:
     """Block `cell` of `config` built and initialised like the zoo does, from a seed drawn from `rng`."""
     from nestling.models.zoo import build  # the zoo imports every family module: import on use
     from nestling.spec import SubmodelSpec
@@ -171,12 +172,14 @@ def _fresh_block(config: ModelConfig, cell: int, rng: torch.Generator | None, pr
         torch.manual_seed(seed)
         block = build(SubmodelSpec(config)).blocks[cell]
     fresh = {name: tensor.detach().clone() for name, tensor in block.state_dict().items()}
-    if preact:
-        fresh["conv2.weight"].zero_()
-    else:
-        fresh["bn2.weight"].zero_()
-        fresh["bn2.bias"].zero_()
-    fresh["step"].fill_(1.0)
+    for name in zeroed:
+        if name in fresh:
+            fresh[name].zero_()
+    for name, tensor in fresh.items():
+        if name.split(".")[-1].startswith(
+            "step"
+        ):  # step sizes (step; step_sa, step_ffn) at their start value
+            tensor.fill_(1.0)
     return fresh
 
 

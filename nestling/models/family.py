@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
@@ -31,6 +32,24 @@ ExportKit = Any  # nestling.export.standalone.KIT (the kernel does not import ex
 NeflPreset = list[tuple[float, tuple[int, ...] | None]]  # (parameter fraction γ, kept blocks or None = all)
 
 
+@dataclass(frozen=True)
+class GrowthCells:
+    """Which tensors of a block FedTrans's function-preserving transformations touch (METHODS §4.a.3-4).
+
+    Names are relative to the block (`blocks.{i}.`). Widening replicates the block's growable units: every
+    tensor in `rows` is indexed by unit along dim 0 (the producing weight, its bias, a norm between producer
+    and consumer with its statistics), and `consumer`'s dim-1 columns are divided by each unit's replication
+    count. Deepening zeroes `zeroed` in a freshly built block so its residual branch adds exactly 0.
+    Tensors a block does not hold (a conv without bias) are skipped.
+    """
+
+    producer: str  # the weight whose output rows are the units (symmetry-breaking noise goes here)
+    rows: tuple[str, ...]  # every tensor indexed by unit along dim 0, `producer` included
+    consumer: str  # the weight whose input columns are the units
+    zeroed: tuple[str, ...]  # tensors zeroed in an inserted block so it is the identity
+    inserted_hidden: tuple[int, ...]  # internal width of a block inserted in each stage
+
+
 class ModelFamily:
     """The interface every architecture implements; subclasses override what their structure needs.
 
@@ -45,6 +64,7 @@ class ModelFamily:
     groupable: bool = False  # K same-spec clients can train as one grouped network (simulator/grouped.py)
     stem_trains_every_stage: bool = False  # FeDepth §3.a.9: every depth stage also trains the stem
     supports_layout: bool = False  # understands extra["layout"] (per-stage block counts, per-block widths)
+    # `supports_layout` families also answer block_hidden; growth_cells lets FedTrans grow them.
 
     # -- structure -----------------------------------------------------------------------------
     def block_infos(self, image_size: int, extra: dict[str, Any]) -> tuple[BlockInfo, ...]:
@@ -68,7 +88,7 @@ class ModelFamily:
         """The physically sliced module of `spec` (uninitialised: zoo.build initialises)."""
         if "layout" in spec.model.extra and not self.supports_layout:
             raise ConfigError(
-                f"[model] model family '{self.name}' cannot build an extra.layout (ResNet families can)"
+                f"[model] model family '{self.name}' cannot build an extra.layout (ResNet families and the ViT can)"
             )
         infos = self.block_infos(spec.model.image_size, spec.model.extra)
         kept, depth = kept_blocks(spec, len(infos))
@@ -90,6 +110,14 @@ class ModelFamily:
         return frozen
 
     # -- method questions ----------------------------------------------------------------------
+    def block_hidden(self, image_size: int, extra: dict[str, Any]) -> tuple[int, ...]:
+        """Every block's global growable internal width, in depth order (what extra["layout"] sets)."""
+        raise ConfigError(f"[model] model family '{self.name}' has no per-block internal width (no layout)")
+
+    def growth_cells(self, extra: dict[str, Any]) -> GrowthCells | None:
+        """How FedTrans widens and deepens this family's blocks, or None when it cannot grow them."""
+        return None
+
     def nefl_depth_preset(self) -> list[tuple[int, ...]] | None:
         """NeFL-D's published kept-block sets (four smaller submodels), or None for the generic rule."""
         return None

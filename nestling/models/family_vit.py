@@ -1,6 +1,9 @@
 """The Vision Transformer (NeFL's ViT): patch embedding, pre-norm encoder blocks with step sizes, token head.
 
-Dimensions default to VIT_DEFAULTS; a model config's `extra` overrides any of them.
+Dimensions default to VIT_DEFAULTS; a model config's `extra` overrides any of them. A FedTrans-grown ViT also
+carries `extra["layout"]` (nestling.models.config.validated_layout): one stage, `stage_blocks = [depth]`, and
+`block_hidden` = every encoder block's MLP hidden width (fc1's outputs), which then override `depth` and
+`mlp_dim`. Attention keeps `heads` × dim/heads everywhere.
 """
 
 from __future__ import annotations
@@ -10,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nestling.errors import SpecError
+from nestling.errors import ConfigError, SpecError
 from nestling.models.blocks import EncoderBlock
 from nestling.models.context import BuildContext
-from nestling.models.family import ExportKit, ModelFamily, Walker, register_family
+from nestling.models.family import ExportKit, GrowthCells, ModelFamily, Walker, register_family
 from nestling.models.heads import TokenClassifier
 from nestling.models.net import BlockInfo
 
@@ -48,17 +51,36 @@ class VitFamily(ModelFamily):
     paper = "NeFL ViT"
     stem_trains_every_stage = True  # FeDepth §3.a.9: ViT stages all train the patch embedding
 
+    supports_layout = True  # extra["layout"] (FedTrans's grown ViTs): encoder blocks and their MLP widths
+
     @staticmethod
     def config(extra: dict[str, Any]) -> dict[str, int]:
-        return {**VIT_DEFAULTS, **extra}
+        return {**VIT_DEFAULTS, **{k: v for k, v in extra.items() if k != "layout"}}
+
+    def _layout(self, extra: dict[str, Any]) -> dict[str, list[int]] | None:
+        layout = extra.get("layout")
+        if layout is not None and len(layout["stage_blocks"]) != 1:
+            raise ConfigError(
+                f"[model] extra.layout.stage_blocks {layout['stage_blocks']} must list the 1 stage of {self.name}"
+            )
+        return layout  # ModelConfig validated the rest (nestling.models.config.validated_layout)
+
+    def stage_depths(self, extra: dict[str, Any]) -> tuple[int, ...]:
+        layout = self._layout(extra)
+        return (self.config(extra)["depth"],) if layout is None else (layout["stage_blocks"][0],)
+
+    def block_hidden(self, image_size: int, extra: dict[str, Any]) -> tuple[int, ...]:
+        """Every encoder block's global MLP hidden width: `mlp_dim` unless a layout grew it."""
+        layout = self._layout(extra)
+        if layout is not None:
+            return tuple(layout["block_hidden"])
+        return (self.config(extra)["mlp_dim"],) * self.stage_depths(extra)[0]
 
     def block_infos(self, image_size: int, extra: dict[str, Any]) -> tuple[BlockInfo, ...]:
         cfg = self.config(extra)
         tokens = (image_size // cfg["patch"]) ** 2 + 1
-        return tuple(BlockInfo(i, 0, cfg["dim"], cfg["dim"], 1, tokens, tokens) for i in range(cfg["depth"]))
-
-    def stage_depths(self, extra: dict[str, Any]) -> tuple[int, ...]:
-        return (self.config(extra)["depth"],)
+        depth = self.stage_depths(extra)[0]
+        return tuple(BlockInfo(i, 0, cfg["dim"], cfg["dim"], 1, tokens, tokens) for i in range(depth))
 
     def build_parts(
         self, spec: SubmodelSpec, ctx: BuildContext, infos: tuple[BlockInfo, ...], kept: set[int], depth: int
@@ -68,13 +90,14 @@ class VitFamily(ModelFamily):
             raise SpecError(
                 f"image_size {spec.model.image_size} is not a multiple of the ViT patch {cfg['patch']}"
             )
+        mlp = self.block_hidden(spec.model.image_size, spec.model.extra)
         stem = PatchStem(ctx, cfg["dim"], cfg["patch"])
         blocks: list[nn.Module] = [
             EncoderBlock(
                 ctx,
                 cfg["dim"],
                 cfg["heads"],
-                cfg["mlp_dim"],
+                mlp[i],
                 skipped=i not in kept,
                 hidden_ratio=None if spec.block_widths is None else spec.block_widths[i],
             )
@@ -88,6 +111,7 @@ class VitFamily(ModelFamily):
         model, spec = w.model, w.spec
         cfg = self.config(model.extra)
         kept, depth = w.kept(self.block_infos(model.image_size, model.extra))
+        mlp = self.block_hidden(model.image_size, model.extra)
         size, patch = model.image_size, cfg["patch"]
         w.begin("stem", "stem")
         dim = w.ch(cfg["dim"])
@@ -98,7 +122,7 @@ class VitFamily(ModelFamily):
         for index in range(depth):
             w.begin(f"block{index}", "block", index)
             if index in kept:
-                x = _walk_encoder(w, x, cfg, hidden=w.hidden(index))
+                x = _walk_encoder(w, x, cfg, mlp[index], hidden=w.hidden(index))
             if index in spec.exits:
                 w.begin(f"exit{index}", "exit", index)
                 w.loss(_walk_token_head(w, x))
@@ -115,14 +139,28 @@ class VitFamily(ModelFamily):
             return kit.TokenHead(part)
         raise SpecError(f"export does not know the {type(part).__name__} of model family '{self.name}'")
 
+    def growth_cells(self, extra: dict[str, Any]) -> GrowthCells:
+        """FedTrans grows an encoder block's MLP hidden width (fc1's outputs; no norm sits between fc1 and fc2,
+        and GELU is elementwise, so replicated units stay equal) and inserts pre-norm blocks whose two output
+        projections (attention's proj and the MLP's fc2, weights and biases) are zero: both residual branches
+        add exactly 0 in train and eval mode (LayerNorm has no running state), and both projections still
+        receive a gradient because their inputs are not zero."""
+        return GrowthCells(
+            producer="fc1.weight",
+            rows=("fc1.weight", "fc1.bias"),
+            consumer="fc2.weight",
+            zeroed=("proj.weight", "proj.bias", "fc2.weight", "fc2.bias"),
+            inserted_hidden=(self.config(extra)["mlp_dim"],),
+        )
 
-def _walk_encoder(w: Walker, x: Any, cfg: dict[str, int], *, hidden: float | None) -> Any:
+
+def _walk_encoder(w: Walker, x: Any, cfg: dict[str, int], global_mlp: int, *, hidden: float | None) -> Any:
     """Pre-norm ViT block with step sizes; attention keeps q, k, v, its output and log-sum-exp (CPU kernel)."""
     tokens, _ = x.shape
     ratio = w.spec.width if hidden is None else hidden
     heads = w.ch(cfg["heads"], ratio)
     inner = heads * (cfg["dim"] // cfg["heads"])
-    mlp = w.ch(cfg["mlp_dim"], ratio)
+    mlp = w.ch(global_mlp, ratio)
     dim = x.shape[1]
     h = w.layer_norm(x)
     q, k, v = (w.linear(h, inner) for _ in range(3))

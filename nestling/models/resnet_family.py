@@ -16,7 +16,7 @@ from torch import nn
 from nestling.errors import ConfigError, SpecError
 from nestling.models.blocks import BasicBlock, PreActBlock
 from nestling.models.context import BuildContext
-from nestling.models.family import ExportKit, ModelFamily, NeflPreset, Walker
+from nestling.models.family import ExportKit, GrowthCells, ModelFamily, NeflPreset, Walker
 from nestling.models.heads import DepthFLExit, PoolClassifier, ScaleFLExit, make_exit
 from nestling.models.net import BlockInfo
 
@@ -192,6 +192,21 @@ class ResNetFamily(ModelFamily):
 
     def nefl_wd_preset(self) -> NeflPreset | None:
         return None if self.nefl_wd is None else list(self.nefl_wd)
+
+    def growth_cells(self, extra: dict[str, Any]) -> GrowthCells:
+        """FedTrans grows the block-internal width (conv1's outputs and the BN after conv1) and inserts blocks
+        whose residual branch is zeroed at its last layer: BasicBlock's bn2 γ = β = 0 (y = ReLU(0 + x) = x, x
+        being a ReLU output), PreActBlock's conv2 (no BN follows it; zeroing bn2 would leave the branch
+        without a gradient since ReLU'(0) = 0)."""
+        norm = "bn2" if self.preact else "bn1"  # the BN between conv1 and conv2
+        stats = ("weight", "bias", "running_mean", "running_var")
+        return GrowthCells(
+            producer="conv1.weight",
+            rows=("conv1.weight", "conv1.bias", *(f"{norm}.{name}" for name in stats)),
+            consumer="conv2.weight",
+            zeroed=("conv2.weight",) if self.preact else ("bn2.weight", "bn2.bias"),
+            inserted_hidden=tuple(self.stage_widths),
+        )
 
 
 # -- the symbolic walk of blocks and heads (profiler/walk.py runs it; the test over every family holds it) --

@@ -1,4 +1,4 @@
-"""extra["layout"]: a ResNet-family model with its own blocks per stage and per-block internal widths.
+"""extra["layout"]: a ResNet-family model or a ViT with its own blocks per stage and per-block internal widths.
 
 The task carries it as JSON, build() makes it, the profiler's walk and export's standalone form agree with
 the real module, and a layout equal to the family's own builds the very same network.
@@ -15,6 +15,7 @@ from nestling.errors import ConfigError
 from nestling.models import ModelConfig, build, family_of
 from nestling.models.cost import count_macs, count_parameters
 from nestling.spec import SubmodelSpec
+from tests.nestling.growth.growth_helpers import TINY_VIT, family_without_layout
 
 IMAGE = 16
 GROWN = {"stage_blocks": [3, 4, 2], "block_hidden": [16, 32, 16, 48, 32, 32, 40, 64, 128]}
@@ -44,13 +45,13 @@ def test_the_layout_survives_json_through_model_config() -> None:
     assert hash(again) == hash(model)
 
 
-@pytest.mark.parametrize("arch", ["resnet20", "preresnet20", "tinycnn"])
+@pytest.mark.parametrize("arch", ["resnet20", "preresnet20", "tinycnn", "vit"])
 def test_the_family_layout_written_out_builds_the_same_network(arch: str) -> None:
     plain = ModelConfig(arch, image_size=IMAGE)
     family = family_of(arch)
     layout = {
         "stage_blocks": list(family.stage_depths({})),
-        "block_hidden": list(family.block_hidden(IMAGE, {})),  # type: ignore[attr-defined]
+        "block_hidden": list(family.block_hidden(IMAGE, {})),
     }
     explicit = plain.with_(extra={"layout": layout})
     torch.manual_seed(3)
@@ -99,6 +100,69 @@ def test_the_family_checks_the_stage_count_and_other_families_refuse_a_layout() 
     two_stages = ModelConfig("resnet20", extra={"layout": {"stage_blocks": [3, 3], "block_hidden": [16] * 6}})
     with pytest.raises(ConfigError, match="3 stages of resnet20"):
         build(SubmodelSpec(two_stages))
-    vit = ModelConfig("vit", extra={"layout": {"stage_blocks": [2], "block_hidden": [8, 8]}})
-    with pytest.raises(ConfigError, match="cannot build an extra.layout"):
+    vit = ModelConfig("vit", extra={"layout": {"stage_blocks": [1, 1], "block_hidden": [8, 8]}})
+    with pytest.raises(ConfigError, match="must list the 1 stage of vit"):
         build(SubmodelSpec(vit))
+    with family_without_layout() as arch:
+        other = ModelConfig(arch, extra={"layout": {"stage_blocks": [1], "block_hidden": [4]}})
+        with pytest.raises(ConfigError, match="cannot build an extra.layout"):
+            build(SubmodelSpec(other))
+
+
+# -- the ViT: one stage of encoder blocks, block_hidden = each block's MLP hidden width --------------------------
+VIT_GROWN = {"stage_blocks": [3], "block_hidden": [48, 24, 96]}
+
+
+def _grown_vit(**changes: object) -> ModelConfig:
+    return ModelConfig(
+        "vit",
+        image_size=IMAGE,
+        extra={**TINY_VIT, "layout": VIT_GROWN},
+        **changes,  # type: ignore[arg-type]
+    )
+
+
+def test_a_vit_layout_builds_its_encoder_blocks_and_mlp_widths() -> None:
+    net = build(SubmodelSpec(_grown_vit()))
+    assert len(net.blocks) == 3
+    assert [b.get_submodule("fc1").out_features for b in net.blocks] == VIT_GROWN["block_hidden"]
+    assert [b.get_submodule("fc2").in_features for b in net.blocks] == VIT_GROWN["block_hidden"]
+    assert all(b.get_submodule("q").out_features == TINY_VIT["dim"] for b in net.blocks)  # attention as is
+    assert net(torch.randn(2, 3, IMAGE, IMAGE)).shape == (2, 10)
+    sliced = build(SubmodelSpec(_grown_vit(), width=0.5))
+    assert [b.get_submodule("fc1").out_features for b in sliced.blocks] == [
+        24,
+        12,
+        48,
+    ]  # each block's own half
+
+
+def test_a_grown_vit_described_to_a_board_builds_the_same_network() -> None:
+    """The task's spec travels as JSON; the board's build holds the server's weights and computes the same."""
+    spec = SubmodelSpec.full(_grown_vit())
+    torch.manual_seed(5)
+    server = build(spec).eval()
+    received = SubmodelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert received == spec and received.model.extra["layout"] == VIT_GROWN
+    board = build(received, init=False).eval()
+    board.load_state_dict(server.state_dict(), strict=True)
+    x = torch.randn(4, 3, IMAGE, IMAGE)
+    with torch.no_grad():
+        assert torch.equal(board(x), server(x))
+
+
+def test_the_profiler_walk_and_export_agree_with_a_grown_vit() -> None:
+    from nestling.export.standalone import build_standalone, plan_outputs
+    from nestling.profiler.estimator import estimate
+
+    model = _grown_vit(num_classes=7)
+    for spec in (SubmodelSpec(model), SubmodelSpec(model, width=0.5, blocks=(0, 2))):
+        torch.manual_seed(0)
+        net = build(spec).eval()
+        cost = estimate(spec, 4)
+        assert cost.params == count_parameters(net)
+        assert cost.forward_macs == count_macs(net, (3, IMAGE, IMAGE))
+        standalone = build_standalone(net, plan_outputs(net))
+        x = torch.randn(3, 3, IMAGE, IMAGE)
+        with torch.no_grad():
+            torch.testing.assert_close(standalone(x), net(x), rtol=1e-4, atol=1e-5)

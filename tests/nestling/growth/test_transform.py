@@ -1,6 +1,6 @@
 """Widen and deepen (METHODS §4.b 1, 2, 7): the grown model computes what its parent computed, in float32 and
-float64, in train and eval mode, on post-activation and pre-activation ResNets; the parent is untouched and
-the grown model costs more MACs."""
+float64, in train and eval mode, on post-activation and pre-activation ResNets and on the ViT (encoder blocks);
+the parent is untouched and the grown model costs more MACs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ import torch
 from nestling.errors import ConfigError
 from nestling.growth import deepen, layout_of, model_macs, next_operation, transform, widen
 from nestling.models import ModelConfig
-from tests.nestling.growth.growth_helpers import IMAGE, net_of, outputs, trained_looking
+from tests.nestling.growth.growth_helpers import (
+    IMAGE,
+    family_without_layout,
+    net_of,
+    outputs,
+    tiny_vit,
+    trained_looking,
+)
 
 ARCHS = ["resnet20", "preresnet20"]
 PRECISION = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -158,8 +165,8 @@ def test_bad_growth_requests_are_refused_by_name() -> None:
         deepen(state, config, 1, 0)
     with pytest.raises(ConfigError, match="stages 0..2"):
         deepen(state, config, 3, 1)
-    with pytest.raises(ConfigError, match="is not one"):
-        widen({}, ModelConfig("vit"), 0)
+    with family_without_layout() as arch, pytest.raises(ConfigError, match="has no growable blocks"):
+        widen({}, ModelConfig(arch), 0)
     with pytest.raises(ConfigError, match="exit_points must be empty"):
         widen(state, config.with_(exit_points=(2,)), 0)
     with pytest.raises(ConfigError, match="does not hold the 10 blocks"):
@@ -189,3 +196,116 @@ def test_the_tiny_cnn_grows_as_a_resnet_family(train: bool) -> None:
         atol=1e-5,
     )
     assert model_macs(grown.config) > model_macs(config)
+
+
+# -- the ViT: cells are encoder blocks, widened in their MLP hidden width, deepened by a zero-output block --------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("train", [False, True])
+def test_widening_a_vit_encoder_blocks_mlp_preserves_the_outputs(dtype: torch.dtype, train: bool) -> None:
+    config = tiny_vit()
+    state = trained_looking(config, dtype=dtype)
+    grown = widen(state, config, 1, 2.0, torch.Generator().manual_seed(1))
+    assert layout_of(grown.config).block_hidden == (24, 48)
+    assert grown.state["blocks.1.fc1.weight"].shape == (48, 16) and grown.state[
+        "blocks.1.fc1.bias"
+    ].shape == (48,)
+    assert (
+        grown.state["blocks.1.fc2.weight"].shape == (16, 48)
+        and grown.state["blocks.1.fc2.weight"].dtype == dtype
+    )
+    assert all(torch.equal(grown.state[k], state[k]) for k in state if not k.startswith("blocks.1.fc"))
+    x = _input(dtype)
+    tolerance = PRECISION[dtype]
+    torch.testing.assert_close(
+        outputs(grown.config, grown.state, x, train=train),
+        outputs(config, state, x, train=train),
+        rtol=tolerance,
+        atol=tolerance,
+    )
+
+
+def test_widened_vit_units_fire_alike_and_their_fc2_columns_sum_to_the_original() -> None:
+    config = tiny_vit()
+    state = trained_looking(config, dtype=torch.float64)
+    grown = widen(state, config, 0, 2.0, torch.Generator().manual_seed(2))
+    old_rows, new_rows = state["blocks.0.fc1.weight"], grown.state["blocks.0.fc1.weight"]
+    source = [next(u for u in range(24) if torch.equal(new_rows[j], old_rows[u])) for j in range(48)]
+    assert source[:24] == list(range(24))
+    assert torch.equal(grown.state["blocks.0.fc1.bias"], state["blocks.0.fc1.bias"][source])
+    old_cols, new_cols = state["blocks.0.fc2.weight"], grown.state["blocks.0.fc2.weight"]
+    for unit in range(24):
+        group = [j for j, u in enumerate(source) if u == unit]
+        torch.testing.assert_close(new_cols[:, group].sum(dim=1), old_cols[:, unit], rtol=0, atol=1e-12)
+
+    net = net_of(grown.config, grown.state, train=False)
+    seen: dict[str, torch.Tensor] = {}
+    net.blocks[0].fc1.register_forward_hook(lambda m, i, o: seen.setdefault("hidden", o))
+    with torch.no_grad():
+        net(_input(torch.float64))
+    for j, unit in enumerate(source):
+        torch.testing.assert_close(seen["hidden"][..., j], seen["hidden"][..., unit], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("train", [False, True])
+def test_an_inserted_vit_encoder_block_is_an_exact_identity(dtype: torch.dtype, train: bool) -> None:
+    config = tiny_vit()
+    state = trained_looking(config, dtype=dtype)
+    grown = deepen(state, config, 0, 1, torch.Generator().manual_seed(3))
+    assert layout_of(grown.config).stage_blocks == (3,) and layout_of(grown.config).block_hidden == (
+        24,
+        24,
+        24,
+    )
+    assert [o.kind for o in grown.provenance] == ["inherited", "inserted", "inherited"]
+    assert torch.equal(grown.state["blocks.2.fc1.weight"], state["blocks.1.fc1.weight"])
+    inserted = {k: v for k, v in grown.state.items() if k.startswith("blocks.1.")}
+    assert all(
+        float(inserted[f"blocks.1.{n}"].abs().sum()) == 0 for n in ("proj.weight", "proj.bias", "fc2.weight")
+    )
+    assert float(inserted["blocks.1.q.weight"].abs().sum()) > 0  # the rest is freshly initialised
+    assert inserted["blocks.1.fc1.weight"].dtype == dtype
+    x = _input(dtype)
+    assert torch.equal(
+        outputs(grown.config, grown.state, x, train=train), outputs(config, state, x, train=train)
+    )
+
+
+def test_an_inserted_vit_encoder_block_learns() -> None:
+    config = tiny_vit()
+    grown = deepen(trained_looking(config), config, 0, 2, torch.Generator().manual_seed(4))
+    net = net_of(grown.config, grown.state, train=True)
+    net(_input(torch.float32)).square().mean().backward()
+    block = net.blocks[2]
+    for weight in (block.proj.weight, block.fc2.weight):
+        assert weight.grad is not None and float(weight.grad.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_transforming_several_vit_cells_preserves_outputs_leaves_the_parent_and_costs_more(
+    dtype: torch.dtype,
+) -> None:
+    config = tiny_vit()
+    state = trained_looking(config, dtype=dtype)
+    kept = {k: v.clone() for k, v in state.items()}
+    rng = torch.Generator().manual_seed(5)
+    first = transform(state, config, [0, 1], [0, 1], rng)
+    assert first.applied == (("widen", 0), ("deepen", 1))
+    assert layout_of(first.config).block_hidden == (48, 24, 24)
+    assert first.operations_done == (1, 2, 0)
+    second = transform(first.state, first.config, [0, 2], first.operations_done, rng, noise=0.0)
+    assert second.applied == (("widen", 2), ("deepen", 0))
+    assert layout_of(second.config).block_hidden == (48, 24, 24, 48)
+    x = _input(dtype)
+    tolerance = PRECISION[dtype]
+    for train in (False, True):
+        torch.testing.assert_close(
+            outputs(second.config, second.state, x, train=train),
+            outputs(config, state, x, train=train),
+            rtol=tolerance,
+            atol=tolerance,
+        )
+    assert all(torch.equal(state[k], kept[k]) for k in kept)
+    assert model_macs(config) < model_macs(first.config) < model_macs(second.config)

@@ -25,6 +25,7 @@ from nestling.server.strategies import DeviceInfo, StrategyContext, create_strat
 from nestling.server.strategies.fedtrans import FedTrans
 from nestling.server.strategies.fedtrans_capacity import Capacity, capacity_of
 from nestling.simulator.fleetdata import device_id, load_fleet_data
+from tests.nestling.growth.growth_helpers import family_without_layout
 
 torch.set_num_threads(1)
 
@@ -248,8 +249,8 @@ def test_bad_options_are_refused_by_name(options: dict[str, Any], message: str) 
 
 
 def test_models_fedtrans_cannot_grow_are_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match="grows ResNet-family models"):
-        create_strategy("fedtrans", StrategyContext("vit", 10, 3, 32, 2, 2))
+    with family_without_layout() as arch, pytest.raises(ConfigError, match="has no growable blocks"):
+        create_strategy("fedtrans", StrategyContext(arch, 10, 3, 32, 2, 2))
 
 
 def test_in_trace_replay_capacity_follows_each_boards_class(tmp_path: Path) -> None:
