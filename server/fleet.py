@@ -14,10 +14,9 @@ import torch
 
 from nestling.data import load_dataset
 from nestling.errors import NestlingError
-from nestling.schedule import LrSchedule
 from nestling.server.checkpoint import latest_checkpoint
 from nestling.server.clock import WallClock
-from nestling.server.coordinator import Coordinator, RoundPolicy, RoundRecord
+from nestling.server.coordinator import Coordinator, RoundRecord
 from nestling.server.deployables import deployable_rows, deployables_table, export_orders, wants_export
 from nestling.server.evaluation import Evaluator
 from nestling.server.fleet_config import FleetConfig, load_fleet_config
@@ -32,8 +31,7 @@ from nestling.server.run_report import (
     summarise,
     write_summary,
 )
-from nestling.server.screening import robust_policy
-from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.server.run_setup import round_policy, strategy_for_run
 from nestling.server.strategies.base import Strategy
 from nestling.wire.topics import OFFLINE, FleetTopics
 
@@ -51,25 +49,17 @@ def transport_settings(cfg: FleetConfig) -> TransportSettings:
     )
 
 
-def make_strategy(cfg: FleetConfig, num_classes: int, input_shape: tuple[int, int, int]) -> Strategy:
-    channels, size, _ = input_shape
-    run, train = cfg.run.run, cfg.run.train
-    ctx = StrategyContext(
-        arch=cfg.run.model.arch,
+def make_strategy(
+    cfg: FleetConfig, num_classes: int, input_shape: tuple[int, int, int], dataset: str
+) -> Strategy:
+    """The fleet's strategy, built exactly as `nestling simulate` builds a simulated fleet's (one per board slot)."""
+    return strategy_for_run(
+        cfg.run,
         num_classes=num_classes,
-        in_channels=channels,
-        image_size=size,
+        input_shape=input_shape,
         num_clients=cfg.fleet.devices,
-        total_rounds=run.rounds,
-        seed=run.seed,
-        schedule=LrSchedule(train.schedule, train.lr, train.gamma, tuple(train.milestones)),
-        local=cfg.run.train.local_hparams(),
-        options=dict(cfg.run.method.options),
-        model_extra=dict(cfg.run.model.extra),
-        deadline_s=run.deadline_s,  # boards that sent a measured profile are sized to fit it ...
-        train_share=run.train_share,  # ... its training share
+        dataset=dataset,
     )
-    return create_strategy(cfg.run.method.name, ctx)
 
 
 def round_line(record: RoundRecord, total: int) -> str:
@@ -122,7 +112,7 @@ def run_fleet(
     run = cfg.run.run
     opts = {} if cfg.run.data.limit_test is None else {"limit_test": cfg.run.data.limit_test}
     bundle = load_dataset(cfg.run.data.dataset, cfg.run.data.root, seed=run.seed, **opts)
-    strategy = make_strategy(cfg, bundle.num_classes, bundle.input_shape)
+    strategy = make_strategy(cfg, bundle.num_classes, bundle.input_shape, bundle.name)
     out_dir = cfg.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     write_run_file(out_dir, strategy)  # `nestling plan --fleet` re-creates the strategy from it
@@ -140,17 +130,7 @@ def run_fleet(
     evaluator = Evaluator(
         bundle.test.x, bundle.test.y, batch_size=run.eval_batch, device=run.device, calibration=bundle.train.x
     )
-    policy = RoundPolicy(
-        rounds=run.rounds,
-        fraction=cfg.run.train.fraction,
-        over_selection=run.over_selection,
-        quorum=run.quorum,
-        deadline_s=run.deadline_s,
-        eval_every=run.eval_every,
-        checkpoint_every=run.checkpoint_every,
-        seed=run.seed,
-        robust=robust_policy(run),
-    )
+    policy = round_policy(cfg.run)
 
     def report(record: RoundRecord) -> None:
         print(round_line(record, run.rounds), flush=True)

@@ -13,7 +13,9 @@ from dataclasses import replace
 from nestling.edge.emulation import EmulatedDevice, EmulationTarget
 from nestling.edge.self_profile import ProfileInputs, emulated_profile
 from nestling.messages import Task
+from nestling.profiler.board_profile import BoardProfile, ProfileError
 from nestling.profiler.speed import MacCounter, payload_bytes, task_training_flops
+from nestling.profiler.traces import DeviceTrace
 from nestling.server.strategies.base import DeviceInfo
 from nestling.simulator.durations import Arrival, TaskCost
 from nestling.spec import SubmodelSpec
@@ -65,3 +67,14 @@ def profiled(
         inputs = ProfileInputs(full_spec.to_dict(), batch, "cpu", 0.0, target.name)
         out.append(replace(device, board=emulated_profile(inputs, target)))
     return out
+
+
+def trace_profile(trace: DeviceTrace, full_spec: SubmodelSpec, batch: int) -> BoardProfile | None:
+    """What `nestling agent --emulate-trace` sends for this trace device: its figures as a board profile (the
+    speed the replay times it at), so a replayed device is planned as the fleet server plans that agent. None
+    when the trace has no speed for the model (the device is then sized by memory alone, as before)."""
+    inputs = ProfileInputs(full_spec.to_dict(), batch, "cpu", 0.0, trace.device_class)
+    try:
+        return emulated_profile(inputs, EmulationTarget.of_trace(trace))
+    except ProfileError:
+        return None

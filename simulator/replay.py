@@ -23,8 +23,10 @@ from nestling.server.coordinator import RoundRecord
 from nestling.server.strategies.base import DeviceInfo
 from nestling.simulator.backend import Backend
 from nestling.simulator.durations import Arrival, TraceDurations
+from nestling.simulator.emulated_fleet import trace_profile
 from nestling.simulator.fleetdata import client_provider, device_id, device_index
 from nestling.simulator.inprocess import InProcessTransport
+from nestling.spec import SubmodelSpec
 
 TIMELINE = "timeline.jsonl"
 
@@ -49,14 +51,21 @@ class TraceReplay:
     """The simulated fleet: which trace each device replays, when it is online, when its results arrive."""
 
     def __init__(
-        self, devices: list[DeviceInfo], traces: list[DeviceTrace], input_shape: tuple[int, int, int]
+        self,
+        devices: list[DeviceInfo],
+        traces: list[DeviceTrace],
+        input_shape: tuple[int, int, int],
+        plan: tuple[SubmodelSpec, int] | None = None,
     ) -> None:
+        """`plan` (the run's full model and batch size): each device also carries the profile an agent emulating
+        its trace would send, so the strategy sizes it by memory and, with a deadline, by time."""
         if not traces:
             raise ValueError("a replay needs at least one device trace")
         self.traces = {d.device_id: traces[d.index % len(traces)] for d in devices}
         self.devices = [
             replace(
                 d,
+                board=None if plan is None else trace_profile(self.traces[d.device_id], *plan),
                 memory_budget_bytes=self.traces[d.device_id].memory_budget_bytes,
                 profile={
                     **(d.profile or {}),
@@ -109,9 +118,10 @@ class Replay:
         backend: Backend,
         input_shape: tuple[int, int, int],
         out_dir: Path,
+        plan: tuple[SubmodelSpec, int] | None = None,
     ) -> None:
         self.trace_path = str(trace_path)
-        self.fleet = TraceReplay(devices, traces, input_shape)
+        self.fleet = TraceReplay(devices, traces, input_shape, plan)
         self.clock = VirtualClock()
         self.transport = InProcessTransport(self.fleet.devices, backend, self.clock, self.fleet)
         self.timeline = out_dir / TIMELINE

@@ -12,9 +12,8 @@ import torch
 
 from nestling.config import SimConfig
 from nestling.profiler.traces import load_traces
-from nestling.schedule import LrSchedule
 from nestling.server.clock import WallClock
-from nestling.server.coordinator import Coordinator, RoundPolicy, RoundRecord
+from nestling.server.coordinator import Coordinator, RoundRecord
 from nestling.server.evaluation import Evaluator
 from nestling.server.run_report import (
     add_method_results,
@@ -23,8 +22,7 @@ from nestling.server.run_report import (
     summarise,
     write_summary,
 )
-from nestling.server.screening import robust_policy
-from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.server.run_setup import round_policy, strategy_for_run
 from nestling.server.strategies.base import DeviceInfo
 from nestling.simulator.backend import (
     Backend,
@@ -112,22 +110,14 @@ def run_simulation(
     count = fleet_size(cfg.data.clients, len(traces)) if traces else cfg.data.clients
     fleet = load_fleet_data(**fleet_args(cfg))
     bundle = fleet.bundle
-    channels, size, _ = bundle.input_shape
-    ctx = StrategyContext(
-        arch=cfg.model.arch,
+    # The same strategy, deadline and training share as `nestling server` would plan this fleet with.
+    strategy = strategy_for_run(
+        cfg,
         num_classes=bundle.num_classes,
-        in_channels=channels,
-        image_size=size,
+        input_shape=bundle.input_shape,
         num_clients=count,
-        total_rounds=cfg.run.rounds,
-        seed=cfg.run.seed,
-        schedule=LrSchedule(cfg.train.schedule, cfg.train.lr, cfg.train.gamma, tuple(cfg.train.milestones)),
-        local=cfg.train.local_hparams(),
-        options=dict(cfg.method.options),
-        model_extra=dict(cfg.model.extra),
         dataset=bundle.name,
     )
-    strategy = create_strategy(cfg.method.name, ctx)
     devices = make_devices(fleet, count)
     partitions = len(fleet.parts)
     factory_args = {"partitions": partitions, **fleet_args(cfg)}
@@ -142,7 +132,8 @@ def run_simulation(
     out_dir.mkdir(parents=True, exist_ok=True)
     replay = None
     if traces:
-        replay = Replay(str(cfg.run.traces), traces, devices, backend, bundle.input_shape, out_dir)
+        plan = (strategy.full_spec, strategy.batch_size)  # replayed boards send their trace's profile
+        replay = Replay(str(cfg.run.traces), traces, devices, backend, bundle.input_shape, out_dir, plan)
     transport = replay.transport if replay else InProcessTransport(devices, backend, tamper=tamper)
     evaluator = Evaluator(
         bundle.test.x,
@@ -151,17 +142,7 @@ def run_simulation(
         device=cfg.run.device,
         calibration=bundle.train.x,
     )
-    policy = RoundPolicy(
-        rounds=cfg.run.rounds,
-        fraction=cfg.train.fraction,
-        over_selection=cfg.run.over_selection,
-        quorum=cfg.run.quorum,
-        deadline_s=cfg.run.deadline_s,
-        eval_every=cfg.run.eval_every,
-        checkpoint_every=cfg.run.checkpoint_every,
-        seed=cfg.run.seed,
-        robust=robust_policy(cfg.run),
-    )
+    policy = round_policy(cfg)
     clock = replay.clock if replay else WallClock()
     hook = replay.after_round(on_round) if replay else on_round
     coordinator = Coordinator(
