@@ -16,7 +16,7 @@ from nestling.growth.assignment import (
 )
 from nestling.growth.cells import CellOrigin, Layout, Provenance, layout_of, model_macs, with_layout
 from nestling.growth.convergence import degree_of_convergence, should_transform
-from nestling.growth.lineage import Lineage, embed
+from nestling.growth.lineage import Lineage, embed, embed_into_ancestor
 from nestling.growth.soft_aggregation import fedavg, soft_aggregate
 from nestling.growth.transform import Grown, Transformed, deepen, next_operation, transform, widen
 
@@ -34,6 +34,7 @@ __all__ = [
     "deepen",
     "degree_of_convergence",
     "embed",
+    "embed_into_ancestor",
     "fedavg",
     "inherit_utilities",
     "layout_of",

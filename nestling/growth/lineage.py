@@ -124,3 +124,33 @@ def embed(
         region = tuple(slice(0, min(a, b)) for a, b in zip(older.shape, tensor.shape))
         placed[key] = (older[region], region)
     return placed
+
+
+def embed_into_ancestor(
+    source: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], cells: Provenance
+) -> dict[str, tuple[torch.Tensor, tuple[slice, ...]]]:
+    """A newer model's tensors placed onto an ancestor's: the reverse of `embed`, for large-to-small sharing.
+
+    `cells` is the newer model's provenance relative to the ancestor (`Lineage.correspondence(older, newer)`).
+    Every cell of the newer model that has a parent cell gives that cell its tensors, cropped to the overlap
+    (the same prefix rule); inserted cells give nothing, and stem and head keys map to themselves. Each ancestor
+    cell has at most one descendant cell (widen keeps cells one-to-one, deepen only adds cells).
+    """
+    placed: dict[str, tuple[torch.Tensor, tuple[slice, ...]]] = {}
+    for key, newer in source.items():
+        if not newer.is_floating_point():
+            continue
+        cell = cell_of_key(key)
+        if cell is None:
+            target_key = key
+        else:
+            parent = cells[cell].parent_cell
+            if parent is None:
+                continue
+            target_key = f"{cell_prefix(parent)}{key.split('.', 2)[2]}"
+        older = target.get(target_key)
+        if older is None or not older.is_floating_point() or older.dim() != newer.dim():
+            continue
+        region = tuple(slice(0, min(a, b)) for a, b in zip(older.shape, newer.shape))
+        placed[target_key] = (newer[region], region)
+    return placed

@@ -2,9 +2,11 @@
 
 W_j ← [W̄_j + Σ_{i<j, i updated} η^t·sim(M_i, M_j)·embed_j(W̄_i)] / [1 + Σ_{i<j, i updated} η^t·sim(M_i, M_j)],
 per element over the models whose embedding reaches that element (AMBIG-12 DECISION: the decayed weights
-also renormalise, so every element is a convex combination; t = global round index). Only older (smaller)
-models feed newer ones ("l2s" sharing is off, Table 1). A model without uploads this round keeps its weights
-as its own term; it still receives from older models that had uploads.
+also renormalise, so every element is a convex combination; t = global round index). By default only older
+(smaller) models feed newer ones: large-to-small sharing ("l2s") hurt in the paper's Table 1 (FEMNIST 75.5
+without vs 60.9 with). `l2s=True` also lets every newer model i > j that had uploads feed j by the same rule,
+its tensors cropped to j's shapes (`embed_into_ancestor`). A model without uploads this round keeps its
+weights as its own term; it still receives from the models that had uploads.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from nestling.errors import ConfigError
 from nestling.growth.cells import State
-from nestling.growth.lineage import Lineage, embed
+from nestling.growth.lineage import Lineage, embed, embed_into_ancestor
 
 
 def fedavg(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> State:
@@ -47,8 +49,12 @@ def soft_aggregate(
     lineage: Lineage,
     round_index: int,
     eta: float = 0.98,
+    *,
+    l2s: bool = False,
 ) -> list[State]:
-    """Every model's new weights from this round's per-model FedAvg results `averaged` (model → W̄)."""
+    """Every model's new weights from this round's per-model FedAvg results `averaged` (model → W̄).
+
+    `l2s`: newer (larger) models also feed older ones (off by default, METHODS §4.a.2 step 6)."""
     if len(current) != len(lineage.parents):
         raise ConfigError(f"{len(current)} models given, the lineage holds {len(lineage.parents)}")
     if not 0.0 <= eta <= 1.0 or round_index < 0:
@@ -64,12 +70,16 @@ def soft_aggregate(
         own = averaged.get(j, weights)
         donors = []
         for i in sorted(averaged):
-            if i >= j:
+            if i == j or (i > j and not l2s):
                 continue
-            cells = lineage.correspondence(i, j)
+            cells = lineage.correspondence(min(i, j), max(i, j))
             weight = decay * lineage.similarity(i, j)
-            if cells is not None and weight > 0:
+            if cells is None or weight <= 0:
+                continue
+            if i < j:
                 donors.append((weight, embed(averaged[i], own, cells)))
+            else:
+                donors.append((weight, embed_into_ancestor(averaged[i], own, cells)))
         if not donors:
             result.append({key: tensor.clone() for key, tensor in own.items()})
             continue

@@ -112,6 +112,7 @@ class FedTrans(Strategy):
         "deepen_count": 1,
         "first_operation": "widen",  # AMBIG-13 DECISION: widen first, then alternate per cell
         "noise": 0.0,  # symmetry-breaking noise on widened units (off: exact preservation)
+        "l2s": False,  # larger models also feed smaller ones in soft aggregation (off: Table 1, METHODS §4.a.2)
         # T_c (server/strategies/fedtrans_capacity.py)
         "capacities": [1, 2, 4, 8, 16, 32],  # tiers by client index, multiples of the seed model's MACs
         "capacity_reference": "rpi4",  # board class the seed model is sized for (capacity by speed)
@@ -120,7 +121,7 @@ class FedTrans(Strategy):
     # -- construction ---------------------------------------------------------------------------
     def make_model_config(self) -> ModelConfig:
         config = self.ctx.model_config()
-        growable_family(config)  # ViT, exits and per-width BN are refused by name
+        growable_family(config)  # families without growable blocks, exits and per-width BN are refused by name
         return config
 
     def setup(self) -> None:
@@ -134,6 +135,7 @@ class FedTrans(Strategy):
             raise ConfigError(f"[method] fedtrans widen_factor must be > 1, got {self.widen_factor}")
         self.gamma, self.delta = _count(o, "gamma"), _count(o, "delta")
         self.t_act, self.deepen_count = _count(o, "t_act"), _count(o, "deepen_count")
+        self.l2s = bool(o["l2s"])  # typed bool by its default (Strategy.check_option)
         self.first = str(o["first_operation"])
         if self.first not in OPERATIONS:
             raise ConfigError(
@@ -270,7 +272,9 @@ class FedTrans(Strategy):
                 if value.is_floating_point() and not is_statistic(key)
             }
             self.updates = [*self.updates, update][-self.t_act :]
-        mixed = soft_aggregate([m.state for m in self.members], averaged, self.lineage, round_index, self.eta)
+        mixed = soft_aggregate(
+            [m.state for m in self.members], averaged, self.lineage, round_index, self.eta, l2s=self.l2s
+        )
         for member, state in zip(self.members, mixed, strict=True):
             member.state = state
         self.global_state = self.members[0].state

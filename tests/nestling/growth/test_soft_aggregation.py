@@ -118,3 +118,65 @@ def test_mismatched_inputs_are_refused_by_name() -> None:
         soft_aggregate(states, {5: states[0]}, lineage, 0)
     with pytest.raises(ConfigError, match="0 <= eta <= 1"):
         soft_aggregate(states, {}, lineage, 0, eta=1.5)
+
+
+# -- l2s (large-to-small sharing): off by default, on request the same rule runs from newer to older models -----
+
+
+def test_with_l2s_a_smaller_model_learns_from_a_larger_one_by_the_same_rule() -> None:
+    lineage, states = _two_models()
+    small_avg, large_avg = _perturbed(states[0], 1), _perturbed(states[1], 2)
+    t, eta = 3, 0.9
+    averaged = {0: small_avg, 1: large_avg}
+    small, large = soft_aggregate(states, averaged, lineage, round_index=t, eta=eta, l2s=True)
+    _, large_default = soft_aggregate(states, averaged, lineage, round_index=t, eta=eta)
+    assert all(torch.equal(large[k], large_default[k]) for k in large)  # the largest model gets nothing new
+    w = eta**t * lineage.similarity(0, 1)
+
+    def mix(own: torch.Tensor, newer: torch.Tensor) -> torch.Tensor:
+        return ((own.double() + w * newer.double()) / (1 + w)).to(own.dtype)
+
+    assert not torch.equal(small["stem.conv.weight"], small_avg["stem.conv.weight"])
+    torch.testing.assert_close(
+        small["stem.conv.weight"], mix(small_avg["stem.conv.weight"], large_avg["stem.conv.weight"])
+    )
+    torch.testing.assert_close(
+        small["head.fc.weight"], mix(small_avg["head.fc.weight"], large_avg["head.fc.weight"])
+    )
+    # Widened cell 1: the seed's 16 hidden units take the larger model's first 16 (rows of conv1, columns of conv2).
+    torch.testing.assert_close(
+        small["blocks.1.conv1.weight"],
+        mix(small_avg["blocks.1.conv1.weight"], large_avg["blocks.1.conv1.weight"][:16]),
+    )
+    torch.testing.assert_close(
+        small["blocks.1.conv2.weight"],
+        mix(small_avg["blocks.1.conv2.weight"], large_avg["blocks.1.conv2.weight"][:, :16]),
+    )
+    # The larger model's inserted block 2 feeds nothing; its block 3 is the seed's block 2.
+    torch.testing.assert_close(
+        small["blocks.2.conv2.weight"],
+        mix(small_avg["blocks.2.conv2.weight"], large_avg["blocks.3.conv2.weight"]),
+    )
+    torch.testing.assert_close(
+        small["blocks.8.bn2.running_var"],
+        mix(small_avg["blocks.8.bn2.running_var"], large_avg["blocks.9.bn2.running_var"]),
+    )
+    assert torch.equal(
+        small["blocks.2.bn1.num_batches_tracked"], small_avg["blocks.2.bn1.num_batches_tracked"]
+    )
+
+
+def test_with_l2s_one_model_is_still_fedavg_and_a_vanishing_decay_still_leaves_each_own_fedavg() -> None:
+    state = trained_looking(ModelConfig("resnet20", image_size=IMAGE))
+    averaged = fedavg([_perturbed(state, s) for s in range(3)], [10, 20, 30])
+    (alone,) = soft_aggregate([state], {0: averaged}, Lineage.seeded(9), round_index=4, l2s=True)
+    assert all(torch.equal(alone[k], averaged[k]) for k in averaged)
+    lineage, states = _two_models()
+    small_avg, large_avg = _perturbed(states[0], 1), _perturbed(states[1], 2)
+    small, large = soft_aggregate(states, {0: small_avg, 1: large_avg}, lineage, 3, eta=0.0, l2s=True)
+    assert all(torch.equal(small[k], small_avg[k]) for k in small_avg)
+    assert all(torch.equal(large[k], large_avg[k]) for k in large_avg)
+    only_large, _ = soft_aggregate(states, {1: large_avg}, lineage, 0, l2s=True)
+    assert not torch.equal(
+        only_large["head.fc.weight"], states[0]["head.fc.weight"]
+    )  # no uploads, still learns

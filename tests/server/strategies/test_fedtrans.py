@@ -183,6 +183,42 @@ def test_boards_train_only_what_fits_and_the_seed_model_learns_only_from_its_own
     assert all(len(row) == len(strategy.members) for row in strategy.utilities.values())
 
 
+def test_with_l2s_the_seed_model_also_learns_from_the_grown_models() -> None:
+    """[method] l2s = true: once a grown model has uploads, m0 is no longer the plain FedAvg of its own boards."""
+    fleet = digits_clients(4)
+    ctx = StrategyContext(
+        arch="tinycnn",
+        num_classes=10,
+        in_channels=1,
+        image_size=16,
+        num_clients=4,
+        total_rounds=4,
+        seed=2,
+        local={"local_steps": 2, "batch_size": 10, "momentum": 0.0},
+        options={**GROW_FAST, "l2s": True},
+    )
+    strategy = create_strategy("fedtrans", ctx)
+    assert isinstance(strategy, FedTrans) and strategy.l2s
+    devices = [DeviceInfo(device_id(i), i, len(fleet.client(device_id(i)))) for i in range(4)]
+    mixed_rounds = 0
+    for round_index in range(4):
+        tasks = strategy.assign(round_index, devices)
+        accepted = [(t, run_task(t, fleet.client(t.device_id), DeviceStore())) for t in tasks.values()]
+        seed_uploads = [(r.weights, r.num_samples) for t, r in accepted if t.model_id == "m0"]
+        larger_trained = any(t.model_id != "m0" for t, _ in accepted)
+        strategy.aggregate(round_index, accepted)
+        if seed_uploads:
+            expected = fedavg([w for w, _ in seed_uploads], [float(n) for _, n in seed_uploads])
+            plain = all(
+                torch.allclose(strategy.members[0].state[k], v, atol=1e-6)
+                for k, v in expected.items()
+                if v.is_floating_point()
+            )
+            assert plain != larger_trained  # mixed exactly when a larger model had uploads
+            mixed_rounds += larger_trained
+    assert mixed_rounds >= 1
+
+
 def test_capacity_comes_from_a_declared_budget_the_boards_speed_or_its_tier() -> None:
     seed = 1000.0
     rpi4 = BOARDS["rpi4"].sustained_gflops
@@ -241,6 +277,7 @@ def test_a_result_shaped_for_another_model_is_refused() -> None:
         ({"capacities": []}, "capacities must be a non-empty list"),
         ({"capacity_reference": "toaster"}, "unknown board class 'toaster'"),
         ({"widen_factor": 1.0}, "widen_factor must be > 1"),
+        ({"l2s": 1}, "l2s must be bool"),
     ],
 )
 def test_bad_options_are_refused_by_name(options: dict[str, Any], message: str) -> None:
