@@ -25,7 +25,7 @@ from nestling.server.strategies import DeviceInfo, StrategyContext, create_strat
 from nestling.server.strategies.fedtrans import FedTrans
 from nestling.server.strategies.fedtrans_capacity import Capacity, capacity_of
 from nestling.simulator.fleetdata import device_id, load_fleet_data
-from tests.nestling.growth.growth_helpers import family_without_layout
+from tests.nestling.growth.growth_helpers import TINY_VIT, family_without_layout
 
 torch.set_num_threads(1)
 
@@ -37,12 +37,12 @@ class Interrupted(Exception):
     pass
 
 
-def sim_config(rounds: int, **options: Any) -> Any:
+def sim_config(rounds: int, model: dict[str, Any] | None = None, **options: Any) -> Any:
     return config_from_dict(
         {
             "run": {"rounds": rounds, "seed": 1, "workers": 1, "eval_every": 1, "checkpoint_every": 1},
             "data": {"dataset": "digits", "clients": 6, "limit_train": 600, "limit_test": 200},
-            "model": {"arch": "tinycnn"},
+            "model": model or {"arch": "tinycnn"},
             "method": {"name": "fedtrans", **GROW_FAST, **options},
             "train": {
                 "fraction": 1.0,
@@ -126,6 +126,49 @@ def test_resume_across_a_transformation_ends_with_the_uninterrupted_weights(tmp_
     assert set(straight) == set(resumed) and all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert resumed_manifest["strategy"] == manifest["strategy"]  # lineage, utilities, losses, capacities
     assert [r["round"] for r in records(tmp_path / "resumed")] == [0, 1, 2, 3, 4]
+
+
+def test_a_vit_family_grows_encoder_blocks_trains_them_resumes_and_exports(tmp_path: Path) -> None:
+    """A tiny ViT (2 encoder blocks, dim 16, 17 tokens): boards train grown ViTs, a run interrupted after the first
+    birth ends as the uninterrupted one, and the newest grown ViT exports from the checkpoint with parity."""
+    from nestling.export.options import ExportOptions
+    from nestling.export.pipeline import export_submodel
+    from nestling.simulator.run import run_simulation
+
+    cfg = sim_config(4, {"arch": "vit", "extra": dict(TINY_VIT)}, capacities=[8])
+    summary = run_simulation(cfg, tmp_path / "straight")
+    family = summary["method_report"]["fedtrans"]["models"]
+    assert [m["parent"] for m in family] == [None, *(f"m{k}" for k in range(len(family) - 1))]
+    assert len(family) >= 3 and family[-1]["stage_blocks"] == [3]  # one widen, then one deepen
+    assert family[1]["applied"][0][0] == "widen" and max(family[1]["block_hidden"]) == 2 * TINY_VIT["mlp_dim"]
+    assert family[1]["uploads"] > 0  # boards built, trained and returned a grown ViT
+    assert all(later["macs"] > earlier["macs"] for earlier, later in itertools.pairwise(family))
+
+    def crash_after_round_1(record: Any) -> None:
+        if record.round == 1:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        run_simulation(cfg, tmp_path / "resumed", on_round=crash_after_round_1)
+    _, crashed_manifest = load_checkpoint(latest_checkpoint(tmp_path / "resumed" / "checkpoints"))
+    assert len(crashed_manifest["strategy"]["models"]) == 2  # the checkpoint holds a grown ViT
+    run_simulation(cfg, tmp_path / "resumed", resume=True)
+    straight, manifest = load_checkpoint(latest_checkpoint(tmp_path / "straight" / "checkpoints"))
+    resumed, resumed_manifest = load_checkpoint(latest_checkpoint(tmp_path / "resumed" / "checkpoints"))
+    assert set(straight) == set(resumed) and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert resumed_manifest["strategy"] == manifest["strategy"]
+
+    checkpoint = latest_checkpoint(tmp_path / "resumed" / "checkpoints")
+    bundle = export_submodel(
+        checkpoint, tmp_path / "bundle", submodel=family[-1]["id"], options=ExportOptions(benchmark=False)
+    )
+    assert bundle["source"]["submodel"] == family[-1]["id"]
+    assert bundle["spec"]["model"]["extra"]["layout"] == {
+        "stage_blocks": family[-1]["stage_blocks"],
+        "block_hidden": family[-1]["block_hidden"],
+    }
+    assert bundle["parity"]  # export_target raises when the ONNX graph misses the PyTorch model's tolerance
+    assert (tmp_path / "bundle" / "model.onnx").stat().st_size > 0
 
 
 def digits_clients(count: int) -> Any:
