@@ -74,7 +74,7 @@ def run(
     from nestling.edge.emulation import EmulationTarget
     from nestling.profiler.catalogue import BOARDS
     from nestling.profiler.estimator import estimate
-    from nestling.profiler.speed import samples_trained
+    from nestling.profiler.speed import samples_trained, steps_trained
     from nestling.schedule import LrSchedule
     from nestling.server.clock import VirtualClock
     from nestling.server.coordinator import Coordinator, RoundPolicy
@@ -123,7 +123,8 @@ def run(
     if deadline_s <= 0:  # automatic: see HEADROOM
         fastest = profiles[0].board
         assert fastest is not None
-        needed = fastest.train_seconds(strategy.full_spec, samples_trained(local, profiles[0].num_samples))
+        n = profiles[0].num_samples
+        needed = fastest.train_seconds(strategy.full_spec, samples_trained(local, n), steps_trained(local, n))
         deadline_s = HEADROOM * needed / ctx.train_share
         ctx.deadline_s = deadline_s
     if profiled:
@@ -133,13 +134,15 @@ def run(
     clock = VirtualClock()
     outcome = RunOutcome("profiled" if profiled else "tiers", deadline_s=deadline_s)
 
-    by_macs = replace(host_board, narrow=None)  # MAC scaling alone: the prediction before the narrow point
+    # MAC scaling alone: the prediction before the narrow point and the cost per task
+    by_macs = replace(host_board, narrow=None, task_s=None)
 
     def watch(task: Task, result: Result) -> Result:  # read-only: the host's real training time of each task
         spec = SubmodelSpec.from_dict(task.spec)
         trained = samples_trained(task.hparams, samples[task.device_id])
+        steps = steps_trained(task.hparams, samples[task.device_id])
         observed = float(result.metrics["train_seconds"])
-        outcome.host.append((host_board.train_seconds(spec, trained), observed))
+        outcome.host.append((host_board.train_seconds(spec, trained, steps), observed))
         outcome.host_by_macs.append((by_macs.train_seconds(spec, trained), observed))
         return result
 

@@ -5,7 +5,8 @@ measures that model on its own device (available training memory with a safety m
 per-part forward/backward latency and activations: profiler/measure.py) or, when it emulates a catalogue
 class, takes the class's figures (profiler/board_profile.py). A measuring board also times the whole step of the
 model's narrower member in turn with the full one, the second point that makes its predicted step affine in the
-MAC-scaled time. The summary is cached under a key of everything it depends on (model, batch, torch version,
+MAC-scaled time, and times whole one-step tasks (`edge/trainer.run_task`, as a real task runs) for what a task
+costs besides its steps. The summary is cached under a key of everything it depends on (model, batch, torch version,
 board, margin, emulated class, what a profile holds): a restart with the same key sends it at once, any change
 measures again.
 """
@@ -26,7 +27,11 @@ import psutil
 import torch
 
 from nestling.edge.emulation import EmulationTarget
+from nestling.edge.procedures import ClientData
+from nestling.edge.trainer import run_task
 from nestling.errors import ConfigError, SpecError
+from nestling.messages import Task
+from nestling.models.zoo import build
 from nestling.profiler.board_profile import (
     NARROW_WIDTH,
     BoardProfile,
@@ -44,9 +49,9 @@ from nestling.spec import SubmodelSpec
 
 log = logging.getLogger("nestling.agent")
 CACHE_NAME = "board-profile.json"
-# What a measured profile holds; part of the cache key, so a cache made before the narrow point existed is
-# measured again rather than sent without it.
-PROFILE_VERSION = 2
+# What a measured profile holds; part of the cache key, so a cache made before the narrow point (2) or the cost
+# per task (3) existed is measured again rather than sent without it.
+PROFILE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -128,18 +133,40 @@ def measure_narrow(
     return NarrowFigure(NARROW_WIDTH, ratio * full_step_s)
 
 
+def measure_task_s(
+    spec: SubmodelSpec, batch: int, torch_device: str, step_s: float, *, repeats: int
+) -> float:
+    """Seconds a task of `spec` costs besides its steps: one-step tasks run as the agent runs them (building the
+    slice, loading its weights, the optimizer, the first step's warm-up, copying the trained weights out) minus
+    the profile's steady step; the median over `repeats`, kept in [0, the task's time]. Measured on the full
+    model and used for every submodel (a narrower slice builds a little faster: this errs long, by milliseconds)."""
+    generator = torch.Generator().manual_seed(0)
+    model = spec.model
+    shape = (batch, model.in_channels, model.image_size, model.image_size)
+    data = ClientData(torch.randn(shape, generator=generator), torch.randint(0, model.num_classes, (batch,)))
+    weights = build(spec).state_dict()
+    hparams = {"local_steps": 1, "batch_size": batch, "lr": 0.0, "momentum": 0.9, "seed": 0}
+    task = Task(0, "self-profile", spec.to_dict(), weights, "sgd", hparams=hparams, task_id="self-profile")
+    seconds = [
+        float(run_task(task, data, device=torch_device).metrics["train_seconds"]) for _ in range(repeats)
+    ]
+    whole = statistics.median(seconds)
+    return min(max(whole - step_s, 0.0), whole)
+
+
 def measure_profile(inputs: ProfileInputs, *, repeats: int = 5, warmup: int = 2) -> BoardProfile:
-    """Measure the full model and its narrow point on this board (seconds on a small CPU; the worker is idle
-    meanwhile)."""
+    """Measure the full model, its narrow point and the cost per task on this board (seconds on a small CPU;
+    the worker is idle meanwhile)."""
     spec = SubmodelSpec.from_dict(inputs.spec)
     measured = profile_model(
         spec, inputs.batch, inputs.torch_device, repeats=repeats, warmup=warmup, rss_check=False
     )
     step_s = float(measured["total"]["step_ms"]["median"]) / 1000.0
     narrow = measure_narrow(spec, inputs.batch, inputs.torch_device, step_s, repeats=repeats, warmup=warmup)
+    task_s = measure_task_s(spec, inputs.batch, inputs.torch_device, step_s, repeats=max(repeats, 3))
     gflops = float(measure_gflops(inputs.torch_device, seconds=0.5)["gflops"])
     return measured_board_profile(
-        measured, gflops, available_memory(inputs.torch_device), inputs.margin, narrow
+        measured, gflops, available_memory(inputs.torch_device), inputs.margin, narrow, task_s
     )
 
 

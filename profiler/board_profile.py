@@ -7,7 +7,10 @@ time of a submodel = the measured per-part forward + backward latencies of the f
 submodel's share of that part's MACs, times the whole-step / sum-of-parts ratio, per sample trained. A measured
 board also times the whole step of a narrower member (`NARROW_WIDTH`): what of a step does not shrink with the
 submodel (per-op dispatch, loss, optimizer bookkeeping, narrow layers running below their MAC rate) becomes a
-fixed cost per step, so the step is affine in that MAC-scaled time instead of proportional to it.
+fixed cost per step, so the step is affine in that MAC-scaled time instead of proportional to it. A task is
+counted in whole steps (its last, partial batch pays the whole fixed cost, only its own samples' share of the
+rest), plus what a measured board timed a task to cost besides its steps (`task_s`: building the slice, loading
+its weights, the first step's warm-up, copying the trained weights out).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ _FIELDS = {
     "parts",
     "source",
     "narrow",
+    "task_s",
 }
 
 
@@ -100,13 +104,17 @@ class BoardProfile:
     # A measured board's second point; None for emulated boards (their emulation is exactly MAC-proportional)
     # and for profiles made before it existed, which predict as they always did.
     narrow: NarrowFigure | None = None
+    # A measured board's seconds per task besides its steps (edge/self_profile.measure_task_s); None for emulated
+    # boards (their emulation pads the whole task to FLOPs) and older profiles.
+    task_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["schema"] = SCHEMA
         data["parts"] = [asdict(p) for p in self.parts]
-        if self.narrow is None:  # absent, not null: a profile without it reads as before everywhere
-            del data["narrow"]
+        for optional in ("narrow", "task_s"):  # absent, not null: a profile without them reads as before
+            if data[optional] is None:
+                del data[optional]
         return data
 
     @property
@@ -148,19 +156,32 @@ class BoardProfile:
         fixed = (self.narrow.step_s - full * share) / (1.0 - share)
         return min(max(fixed, 0.0), self.narrow.step_s, full)
 
-    def step_seconds(self, spec: SubmodelSpec) -> float:
-        """Predicted seconds of one training step of `spec` at this profile's batch size: the MAC-scaled step,
-        made affine by the fixed cost the narrow point measured (fixed + (full − fixed) × scaled / full)."""
+    def step_parts(self, spec: SubmodelSpec) -> tuple[float, float]:
+        """One full-batch training step of `spec`: (the fixed cost the narrow point measured, the rest), the rest
+        being (full − fixed) × scaled / full of the MAC-scaled step."""
         scaled = self.scaled_step_seconds(spec)
         fixed = self.fixed_step_s(spec.model)
         if fixed <= 0.0:
-            return scaled
+            return 0.0, scaled
         full = self.scaled_step_seconds(SubmodelSpec.full(spec.model))
-        return fixed + (1.0 - fixed / full) * scaled
+        return fixed, (1.0 - fixed / full) * scaled
 
-    def train_seconds(self, spec: SubmodelSpec, samples: int) -> float:
-        """Predicted local training time of `samples` samples (profiler.speed.samples_trained) of `spec`."""
-        return self.step_seconds(spec) * samples / self.batch
+    def step_seconds(self, spec: SubmodelSpec) -> float:
+        """Predicted seconds of one training step of `spec` at this profile's batch size: the MAC-scaled step,
+        made affine by the fixed cost the narrow point measured (fixed + (full − fixed) × scaled / full)."""
+        return sum(self.step_parts(spec))
+
+    def train_seconds(self, spec: SubmodelSpec, samples: int, steps: int | None = None) -> float:
+        """Predicted local training time of `samples` samples (profiler.speed.samples_trained) of `spec` in
+        `steps` steps (profiler.speed.steps_trained; by default ⌈samples / batch⌉): task_s + steps × the fixed
+        cost per step + samples × the rest of a step per sample, so a partial batch pays the whole fixed cost and
+        its own samples' share of the rest. An emulated board (no fixed costs) predicts exactly the FLOPs its
+        emulation pads to."""
+        if samples <= 0:
+            return float(self.task_s or 0.0)
+        fixed, rest = self.step_parts(spec)
+        count = -(-int(samples) // self.batch) if steps is None else int(steps)
+        return float(self.task_s or 0.0) + count * fixed + rest * samples / self.batch
 
 
 def emulated_board_profile(
@@ -198,9 +219,10 @@ def measured_board_profile(
     available_bytes: int,
     margin: float,
     narrow: NarrowFigure | None = None,
+    task_s: float | None = None,
 ) -> BoardProfile:
     """The summary of `profiler.measure.profile_model` output on this board (medians, seconds), with the
-    narrower member's step when the board timed one."""
+    narrower member's step and the cost per task besides its steps when the board timed them."""
     parts = tuple(
         PartFigure(
             str(p["name"]),
@@ -222,6 +244,7 @@ def measured_board_profile(
         parts,
         "measured",
         narrow,
+        task_s,
     )
 
 
@@ -257,6 +280,13 @@ def _narrow(data: dict[str, Any]) -> NarrowFigure | None:
     except ProfileError as exc:
         raise ProfileError(f"narrow.{exc.field}", str(exc).split(": ", 1)[1]) from None
     return NarrowFigure(width, step)
+
+
+def _task_s(data: dict[str, Any]) -> float | None:
+    """The optional seconds per task besides its steps: absent in emulated and older profiles."""
+    if "task_s" not in data:
+        return None
+    return float(_number(data, "task_s", 0.0, MAX_STEP_S))
 
 
 def parse_board_profile(data: Any) -> BoardProfile:
@@ -296,6 +326,11 @@ def parse_board_profile(data: Any) -> BoardProfile:
         raise ProfileError(
             "narrow", "only a measured profile has a narrow point (an emulation scales by MACs)"
         )
+    task_s = _task_s(data)
+    if task_s is not None and source != "measured":
+        raise ProfileError(
+            "task_s", "only a measured profile has a cost per task (an emulation pads to FLOPs)"
+        )
     return BoardProfile(
         spec_id=_text(data, "spec_id"),
         arch=_text(data, "arch"),
@@ -307,6 +342,7 @@ def parse_board_profile(data: Any) -> BoardProfile:
         parts=tuple(parts),
         source=source,
         narrow=narrow,
+        task_s=task_s,
     )
 
 

@@ -47,21 +47,25 @@ def fit_member(
     memory_budget: int | None,
     board: BoardProfile | None = None,
     samples: int = 0,
+    steps: int | None = None,
     time_budget_s: float | None = None,
     speed: float = 1.0,
     current: int | None = None,
     momentum: bool = True,
 ) -> Fit:
     """The costliest candidate that fits memory (`memory_budget`, else the profile's) and time (the profile's
-    prediction × `speed` ≤ `time_budget_s`); the cheapest (FALLBACK) when none does. Without a profile or a
-    time budget only memory counts, exactly as `planner.member_for_budget`. `current` is what the board trains
-    now: a candidate costlier than it must fit the time with UPSIZE_HEADROOM to spare."""
+    prediction of `samples` samples in `steps` steps × `speed` ≤ `time_budget_s`); the cheapest (FALLBACK) when
+    none does. Without a profile or a time budget only memory counts, exactly as `planner.member_for_budget`.
+    `current` is what the board trains now: a candidate costlier than it must fit the time with UPSIZE_HEADROOM
+    to spare."""
     if not specs:
         raise ValueError("fit_member needs at least one candidate spec")
     budget = memory_budget if memory_budget is not None else (board.memory_bytes if board else None)
     memory = [estimate(s, batch, momentum=momentum).training_bytes for s in specs]
     timed = board is not None and time_budget_s is not None
-    seconds = [board.train_seconds(s, samples) * speed if timed else None for s in specs] if board else None
+    seconds = (
+        [board.train_seconds(s, samples, steps) * speed if timed else None for s in specs] if board else None
+    )
     now = memory[current] if current is not None and 0 <= current < len(specs) else None
 
     def fits_memory(k: int) -> bool:
@@ -88,7 +92,7 @@ def fit_member(
             reason = MEMORY_BOUND if not fits_memory(larger[0]) else TIME_BOUND
     predicted = None
     if board is not None:
-        predicted = board.train_seconds(specs[chosen], samples) * speed
+        predicted = board.train_seconds(specs[chosen], samples, steps) * speed
     return Fit(chosen, reason, int(memory[chosen]), budget, predicted, time_budget_s, speed)
 
 

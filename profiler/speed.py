@@ -27,23 +27,34 @@ def training_flops(forward_macs: float, samples: int) -> float:
     return forward_macs * FLOPS_PER_MAC * TRAIN_OVER_FORWARD * samples
 
 
-def samples_trained(hparams: Mapping[str, Any], num_samples: int) -> int:
-    """Samples one task pushes through the model, exactly as edge.procedures.common.batches draws them.
-
-    `local_steps` steps, else `local_epochs` × ⌈n / batch⌉ steps, over reshuffled passes of the data
-    whose last batch is the remainder (dropped when it holds a single sample: BatchNorm needs two).
-    So epochs × n when the remainder is not 1, and steps × batch only when batch divides n."""
+def steps_trained(hparams: Mapping[str, Any], num_samples: int) -> int:
+    """Optimizer steps one task takes, exactly as edge.procedures.common.batches counts them: `local_steps`, else
+    `local_epochs` × ⌈n / batch⌉ (a skipped single-sample batch is not counted: the count goes on into the next
+    pass). Each step pays a board's fixed cost per step however few samples its batch holds."""
     n = int(num_samples)
     if n <= 0:
         return 0
     batch = max(1, min(int(hparams.get("batch_size", 32)), n))
     steps = hparams.get("local_steps")
-    total = int(steps) if steps is not None else int(hparams.get("local_epochs", 1)) * -(-n // batch)
+    return max(0, int(steps) if steps is not None else int(hparams.get("local_epochs", 1)) * -(-n // batch))
+
+
+def samples_trained(hparams: Mapping[str, Any], num_samples: int) -> int:
+    """Samples one task pushes through the model, exactly as edge.procedures.common.batches draws them.
+
+    `steps_trained` steps over reshuffled passes of the data whose last batch is the remainder (dropped when it
+    holds a single sample: BatchNorm needs two). So epochs × n when the remainder is not 1, and steps × batch
+    only when batch divides n."""
+    n = int(num_samples)
+    if n <= 0:
+        return 0
+    batch = max(1, min(int(hparams.get("batch_size", 32)), n))
+    total = steps_trained(hparams, n)
     sizes = [batch] * (n // batch)
     remainder = n % batch
     if remainder >= 2 or (remainder and n < 2):
         sizes.append(remainder)
-    passes, rest = divmod(max(0, total), len(sizes))
+    passes, rest = divmod(total, len(sizes))
     return passes * sum(sizes) + sum(sizes[:rest])
 
 

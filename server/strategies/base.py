@@ -22,7 +22,7 @@ from nestling.models.zoo import build
 from nestling.profiler.board_profile import BoardProfile
 from nestling.profiler.fit import PINNED, Fit, SpeedFeedback, fit_member
 from nestling.profiler.planner import device_memory_budget, member_for_budget
-from nestling.profiler.speed import samples_trained
+from nestling.profiler.speed import samples_trained, steps_trained
 from nestling.schedule import LrSchedule
 from nestling.slicing import check_result_tensors, extract, slices_for
 from nestling.spec import SubmodelSpec
@@ -245,6 +245,7 @@ class Strategy(ABC):
             memory_budget=budget,
             board=board,
             samples=samples_trained(self.ctx.local, device.num_samples),
+            steps=steps_trained(self.ctx.local, device.num_samples),
             time_budget_s=self.time_budget_s,
             speed=self.feedback.factor(device.device_id),
             current=current,
@@ -298,7 +299,9 @@ class Strategy(ABC):
                 continue
             fit, chosen = self._sizing.get(device.device_id, (None, ""))
             raw = board.train_seconds(
-                SubmodelSpec.from_dict(task.spec), samples_trained(task.hparams, device.num_samples)
+                SubmodelSpec.from_dict(task.spec),
+                samples_trained(task.hparams, device.num_samples),
+                steps_trained(task.hparams, device.num_samples),
             )
             speed = self.feedback.factor(device.device_id)
             plans[device.device_id] = {

@@ -30,6 +30,7 @@ def test_the_first_start_measures_and_a_restart_reads_the_cache(tmp_path: Path) 
     assert first.spec_id == SubmodelSpec.from_dict(SPEC).id and first.batch == 8
     assert first.memory_bytes > 0 and first.gflops > 0 and all(p.forward_s > 0 for p in first.parts)
     assert first.narrow is not None and first.narrow.width == NARROW_WIDTH and first.narrow.step_s > 0
+    assert first.task_s is not None and first.task_s >= 0
     again, measured_again = board_profile(inputs, cache, repeats=1)
     assert not measured_again and again == first
 

@@ -148,6 +148,46 @@ def test_a_narrow_point_recovers_the_fixed_cost_per_step_it_was_measured_with() 
     )
 
 
+def test_a_task_is_counted_in_whole_steps_and_pays_its_cost_per_task() -> None:
+    """100 samples at batch 32 are 4 steps (32, 32, 32, 4): each pays the fixed cost per step, the rest of a
+    step is paid per sample; the measured cost per task (building the slice, ...) is added once."""
+    plain = measured_with_narrow(None)
+    full = plain.step_s
+    share = plain.step_seconds(narrow_spec(FULL, NARROW_WIDTH)) / full
+    fixed = 0.3 * full
+    profile = dataclasses.replace(measured_with_narrow(fixed + (full - fixed) * share), task_s=0.05)
+    # 0.05 + 4 x 0.3 full + 100/32 x 0.7 full = 0.05 + 3.3875 full (the old rule: 100/32 = 3.125 full steps)
+    assert profile.train_seconds(FULL, 100) == pytest.approx(0.05 + 3.3875 * full)
+    assert profile.train_seconds(FULL, 96) == pytest.approx(0.05 + 3 * full)  # whole batches: no difference
+    # 2 epochs of 100 samples: 8 steps (profiler.speed.steps_trained), not ceil(200 / 32) = 7
+    assert profile.train_seconds(FULL, 200, steps=8) == pytest.approx(
+        0.05 + 8 * 0.3 * full + 6.25 * 0.7 * full
+    )
+    member = MEMBERS[0]
+    rest = profile.step_seconds(member) - fixed
+    assert profile.train_seconds(member, 100) == pytest.approx(0.05 + 4 * fixed + rest * 100 / 32)
+    assert profile.train_seconds(member, 0) == 0.05
+    emulated = rpi4_profile()  # no fixed costs: samples x the step per sample, exactly the FLOPs it pads to
+    assert emulated.train_seconds(FULL, 100) == pytest.approx(emulated.step_s * 100 / 32, rel=1e-12)
+
+
+def test_a_cost_per_task_round_trips_and_is_refused_when_wrong() -> None:
+    profile = dataclasses.replace(measured_with_narrow(0.01), task_s=0.031)
+    data = json.loads(json.dumps(profile.to_dict()))
+    assert data["task_s"] == 0.031 and parse_board_profile(data) == profile
+    assert (
+        "task_s" not in measured_with_narrow(0.01).to_dict()
+    )  # older profiles: absent, predicted without it
+    for value in (-0.01, math.inf, math.nan, True, "0.03", 1e9):
+        with pytest.raises(ProfileError) as caught:
+            parse_board_profile({**data, "task_s": value})
+        assert caught.value.field == "task_s"
+    emulated = {k: v for k, v in data.items() if k != "narrow"} | {"source": "emulated:rpi4"}
+    with pytest.raises(ProfileError) as caught:  # an emulation pads the whole task to FLOPs
+        parse_board_profile(emulated)
+    assert caught.value.field == "task_s"
+
+
 def test_a_narrow_point_can_neither_undercut_mac_scaling_nor_exceed_the_full_step() -> None:
     plain = measured_with_narrow(None)
     scaled_narrow = plain.step_seconds(narrow_spec(FULL, NARROW_WIDTH))

@@ -59,6 +59,7 @@ def test_too_many_parts_are_refused_and_the_largest_valid_profile_fits_a_control
     part = data["parts"][1]
     data["parts"] = [{**part, "name": f"block{i}"} for i in range(MAX_PARTS)]
     data["source"], data["narrow"] = "measured", {"width": 0.25, "step_s": 3599.999999}  # a measured board's
+    data["task_s"] = 3599.999999
     assert len(encode_hello("b", {"num_samples": 5, "board_profile": data})) < CONTROL_BYTES
     DeviceRegistry().register("b", over_the_wire({"num_samples": 5, "board_profile": data}), now=0.0)
     data["parts"].append({**part, "name": "block999"})
