@@ -59,7 +59,7 @@ def tiny_preset(tmp_path: Path) -> Path:
 
 def test_every_shipped_preset_builds_each_method_at_each_scale() -> None:
     """A typo in a preset's options must fail here, not after hours of the other methods' training."""
-    assert {"nefl", "fedepth", "scalefl"} <= set(known_comparisons())
+    assert {"nefl", "fedepth", "scalefl", "dynamicfl"} <= set(known_comparisons())
     for name in known_comparisons():
         for scale in ("small", "paper"):
             comparison = load_comparison(name, scale)
