@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -149,10 +151,29 @@ def _unpack_output(output: PackedOutput) -> list[tuple[Result, DeviceStore]]:
     return [(replace(result, weights=packed.unpack()), store) for result, packed, store in output]
 
 
+def exit_with_parent(poll_seconds: float = 1.0) -> threading.Thread:
+    """Start a daemon thread that ends this process once its parent is gone.
+
+    A pool worker busy with a round's job does not notice that `nestling simulate` was killed until the job
+    ends, which can be minutes of both cores spent on results nobody will read (seen after stopping a
+    reproduction with SIGTERM). Polling the parent pid works for SIGKILL too, on every platform."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def _worker_init(
     factory: Callable[..., DataProvider], factory_args: dict[str, Any], policy: BatchPolicy
 ) -> None:
     global _WORKER
+    exit_with_parent()
     load_plugins()  # the parent's $NESTLING_PLUGINS: procedures a plugin registered run here too
     _WORKER = WorkerState(factory, factory_args, policy)
 
