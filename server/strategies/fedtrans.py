@@ -121,7 +121,9 @@ class FedTrans(Strategy):
     # -- construction ---------------------------------------------------------------------------
     def make_model_config(self) -> ModelConfig:
         config = self.ctx.model_config()
-        growable_family(config)  # families without growable blocks, exits and per-width BN are refused by name
+        growable_family(
+            config
+        )  # families without growable blocks, exits and per-width BN are refused by name
         return config
 
     def setup(self) -> None:
