@@ -121,9 +121,8 @@ class FedTrans(Strategy):
     # -- construction ---------------------------------------------------------------------------
     def make_model_config(self) -> ModelConfig:
         config = self.ctx.model_config()
-        growable_family(
-            config
-        )  # families without growable blocks, exits and per-width BN are refused by name
+        # families without growable blocks, exits and per-width BN are refused by name
+        growable_family(config)
         return config
 
     def setup(self) -> None:
