@@ -6,10 +6,12 @@ import argparse
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
+from typing import Any
 
 from nestling.config import SimConfig
-from nestling.config_io import write_config
+from nestling.config_io import config_to_toml, write_config
 from nestling.errors import ConfigError
 from nestling.simulator.reproduce import (
     SCALES,
@@ -22,6 +24,14 @@ from nestling.simulator.reproduce import (
     summarise_runs,
 )
 from nestling.simulator.reproduce_report import write_results
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Settings that do not change what a run computes: a run folder made with other values is still this run.
+NEUTRAL_SETTINGS = frozenset({("run", "workers"), ("data", "root")})
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,8 +67,35 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def _flatten(table: dict[str, Any]) -> dict[tuple[str, str], Any]:
+    return {(section, key): value for section, values in table.items() for key, value in values.items()}
+
+
+def config_changes(run_dir: Path, cfg: SimConfig) -> list[str]:
+    """The settings in which `cfg` differs from the config a run folder was made with (none for a new one)."""
+    recorded = run_dir / "config.toml"
+    if not recorded.is_file():
+        return []
+    before = _flatten(tomllib.loads(recorded.read_text()))
+    after = _flatten(tomllib.loads(config_to_toml(cfg)))
+    return [
+        f"{section}.{key}: {before.get((section, key))!r} -> {after.get((section, key))!r}"
+        for section, key in sorted(before.keys() | after.keys())
+        if (section, key) not in NEUTRAL_SETTINGS and before.get((section, key)) != after.get((section, key))
+    ]
+
+
 def run_state(run_dir: Path, cfg: SimConfig) -> str:
-    """'done' (summary of all rounds written), 'partial' (a checkpoint to resume from) or 'new'."""
+    """'done' (summary of all rounds written), 'partial' (a checkpoint to resume from) or 'new'.
+
+    A folder made with another configuration (an edited preset, say) is refused rather than resumed or
+    reported, which would silently mix two experiments in one table."""
+    changes = config_changes(run_dir, cfg)
+    if changes:
+        raise ConfigError(
+            f"{run_dir} was run with another configuration ({'; '.join(changes)}): "
+            "delete that folder to rerun it, or pass another --out"
+        )
     summary = run_dir / "summary.json"
     if summary.is_file() and int(json.loads(summary.read_text()).get("rounds", -1)) >= cfg.run.rounds:
         return "done"

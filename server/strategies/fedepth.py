@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 from nestling.aggregation import Contribution
@@ -22,6 +23,8 @@ from nestling.profiler.estimator import estimate
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.server.strategies.fedepth_paper import paper_plan
 from nestling.spec import SubmodelSpec
+
+log = logging.getLogger(__name__)
 
 # METHODS §3.a.1 (FeDepth paper §Experiments): width ratios r, a quarter of the clients each (tier = ⌊4i/N⌋).
 # A budget is R(r), the training memory of the ×r-width model; r = 2 means room for two full models.
@@ -283,3 +286,19 @@ class MFeDepth(FeDepth):
         "budgets": "surplus",
         "max_models": 2,
     }
+
+    def setup(self) -> None:
+        super().setup()
+        paper = self.options["plan"] == "paper"
+        tiers = [
+            self.paper_plan_for(r) if paper else self.plan_for_budget(self.ratio_bytes[r])
+            for r in self.ratios
+        ]
+        if all(models == 1 for _, models in tiers):
+            log.warning(
+                "m-fedepth: no budget tier (%s) holds %s models without bypassed blocks, so no board distils "
+                "and this run is FeDepth; set [method] mutual_depthwise = true (M models trained depth-wise) "
+                'or a budget of ×2 or more (budgets = "surplus")',
+                ", ".join(f"×{r:g}" for r in self.ratios),
+                "two" if self.max_models == 2 else f"2..{self.max_models}",
+            )

@@ -198,3 +198,46 @@ def test_command_line_prints_the_ordering_line(
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("ordering_held=")
     assert main(["reproduce", str(tiny_preset), "--seeds", "0,0", "--out", str(out), "--quiet"]) == 2
     assert "--seeds must list distinct integers" in capsys.readouterr().err
+
+
+def test_a_run_folder_made_with_another_configuration_is_refused_not_reused(
+    tiny_preset: Path, tmp_path: Path
+) -> None:
+    comparison = load_comparison(str(tiny_preset), "small")
+    out = tmp_path / "out"
+    reproduce(comparison, [0], out, only=["fedavg"], quiet=True)
+    run_dir = out / "seed-0" / "fedavg"
+    edited = tiny_preset.read_text().replace("local_steps = 2", "local_steps = 3")
+    assert edited != tiny_preset.read_text()
+    tiny_preset.write_text(edited)
+    changed = load_comparison(str(tiny_preset), "small")
+    with pytest.raises(ConfigError, match=r"another configuration \(train\.local_steps: 2 -> 3\)"):
+        reproduce(changed, [0], out, only=["fedavg"], quiet=True)
+    # where the data lives and how many workers train do not change a run: those folders are still reused
+    cfg = changed.config(changed.entry("fedavg"), seed=0)
+    tiny_preset.write_text(edited.replace("local_steps = 3", "local_steps = 2"))
+    same = load_comparison(str(tiny_preset), "small")
+    moved = same.config(same.entry("fedavg"), seed=0, data_root=str(tmp_path / "elsewhere"))
+    assert run_state(run_dir, moved) == "done" and cfg.train.local_steps == 3
+
+
+def test_m_fedepth_distils_on_some_board_in_the_fedepth_comparison() -> None:
+    """With fair budgets no board holds two full models; without mutual_depthwise m-FeDepth was FeDepth
+    bit for bit (seen in a reproduction: identical losses every round)."""
+    for scale in ("small", "paper"):
+        comparison = load_comparison("fedepth", scale)
+        entry = comparison.entry("m-fedepth")
+        cfg = comparison.config(entry, seed=0)
+        ctx = StrategyContext(
+            arch=cfg.model.arch,
+            num_classes=10,
+            in_channels=3,
+            image_size=32,
+            num_clients=cfg.data.clients,
+            total_rounds=cfg.run.rounds,
+            options=dict(cfg.method.options),
+        )
+        strategy = create_strategy(entry.method, ctx)
+        strategy.setup()
+        models = {ratio: strategy.paper_plan_for(ratio)[1] for ratio in strategy.ratios}
+        assert max(models.values()) == 2, models

@@ -68,6 +68,20 @@ def test_lack_bypasses_an_input_side_prefix_and_surplus_clients_train_two_models
     assert depthwise[7][1] == 2 and depthwise[7][0].num_stages > 1  # R(1) holds two models stage by stage
 
 
+@pytest.mark.parametrize("plan", ["memory", "paper"])
+def test_m_fedepth_says_when_no_board_can_distil(plan: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Fair budgets hold one full model at most: without mutual_depthwise m-FeDepth is FeDepth, and says so."""
+    with caplog.at_level("WARNING", logger="nestling.server.strategies.fedepth"):
+        strategy = create_strategy("m-fedepth", cifar_ctx(budgets="fair", plan=plan))
+    assert all(models == 1 for _, models in plans(strategy))
+    assert "no board distils and this run is FeDepth" in caplog.text and "mutual_depthwise" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nestling.server.strategies.fedepth"):
+        create_strategy("m-fedepth", cifar_ctx(budgets="fair", plan=plan, mutual_depthwise=True))
+        create_strategy("m-fedepth", cifar_ctx(plan=plan))  # surplus: the ×2 tier holds two
+    assert "no board distils" not in caplog.text
+
+
 @pytest.mark.parametrize("budgets", sorted(BUDGET_PRESETS))
 def test_every_stage_of_every_preset_fits_its_budget_by_the_cost_table(budgets: str) -> None:
     """Invariant 7 (on the per-block table)."""
