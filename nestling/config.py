@@ -83,6 +83,9 @@ class RunSection:
     workers: int = 0  # 0: as many worker processes as cores (one torch thread each); 1: in-process
     eval_every: int = 5
     eval_batch: int = 512
+    # Training images HeteroFL-style static BN is recalibrated on before each evaluation (0: all of them).
+    # A seeded random subset of a few thousand estimates the statistics well at a fraction of the cost.
+    calibration_samples: int = 0
     checkpoint_every: int = 1
     over_selection: float = 1.0
     quorum: float = 1.0
@@ -136,6 +139,7 @@ class SimConfig:
             (self.train.batch_size >= 1, "[train] batch_size must be >= 1"),
             (self.train.lr > 0, "[train] lr must be > 0"),
             (self.run.workers >= 0, "[run] workers must be >= 0"),
+            (self.run.calibration_samples >= 0, "[run] calibration_samples must be >= 0 (0: all)"),
             (self.run.over_selection >= 1.0, "[run] over_selection must be >= 1"),
             (0.0 < self.run.quorum <= 1.0, "[run] quorum must be in (0, 1]"),
             (0.0 < self.run.train_share <= 1.0, "[run] train_share must be in (0, 1]"),

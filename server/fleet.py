@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from nestling.calibration import calibration_subset
 from nestling.data import load_dataset
 from nestling.errors import NestlingError
 from nestling.server.checkpoint import latest_checkpoint
@@ -128,7 +129,11 @@ def run_fleet(
     # Boards measure this run's full model at its batch size (edge/self_profile.py) before they count as ready.
     transport.plan = {"spec": strategy.full_spec.to_dict(), "batch": strategy.batch_size}
     evaluator = Evaluator(
-        bundle.test.x, bundle.test.y, batch_size=run.eval_batch, device=run.device, calibration=bundle.train.x
+        bundle.test.x,
+        bundle.test.y,
+        batch_size=run.eval_batch,
+        device=run.device,
+        calibration=calibration_subset(bundle.train.x, run.calibration_samples, run.seed),
     )
     policy = round_policy(cfg.run)
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nestling.config import SimConfig
+from nestling.config import SimConfig, config_from_dict
 from nestling.config_io import config_to_toml, write_config
 from nestling.errors import ConfigError
 from nestling.simulator.reproduce import (
@@ -76,7 +76,10 @@ def config_changes(run_dir: Path, cfg: SimConfig) -> list[str]:
     recorded = run_dir / "config.toml"
     if not recorded.is_file():
         return []
-    before = _flatten(tomllib.loads(recorded.read_text()))
+    try:  # read back through the config class, so a setting added since then counts at its default
+        before = _flatten(tomllib.loads(config_to_toml(config_from_dict(tomllib.loads(recorded.read_text())))))
+    except (ConfigError, tomllib.TOMLDecodeError) as exc:
+        return [f"its config.toml no longer reads ({exc})"]
     after = _flatten(tomllib.loads(config_to_toml(cfg)))
     return [
         f"{section}.{key}: {before.get((section, key))!r} -> {after.get((section, key))!r}"

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from nestling.calibration import calibration_subset
 from nestling.config import SimConfig
 from nestling.profiler.traces import load_traces
 from nestling.server.clock import WallClock
@@ -140,7 +141,7 @@ def run_simulation(
         bundle.test.y,
         batch_size=cfg.run.eval_batch,
         device=cfg.run.device,
-        calibration=bundle.train.x,
+        calibration=calibration_subset(bundle.train.x, cfg.run.calibration_samples, cfg.run.seed),
     )
     policy = round_policy(cfg)
     clock = replay.clock if replay else WallClock()
