@@ -16,6 +16,10 @@ submodel × its steps is compared with the training time the host really took fo
 host is shared: it profiles itself again at the end (how far its speed moved meanwhile), and the same predictions
 corrected as the server corrects a board's (profiler.fit.SpeedFeedback over the tasks in order) are printed too.
 
+Per run it also prints each board's accuracy on the submodel it deploys (mean, worst board), every NeFL member's
+accuracy, and how many results the update screen refused. A member no board trains keeps NeFL's initial
+per-member BN statistics and scores chance (10 %): with flex 0 that is every member no board is sized to.
+
 Run: OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.planning [--quick]
 Last line: `deadline_hit_profiled=… deadline_hit_tiers=… time_pred_median_err=… replan_rounds=…` — board-rounds
 finished within the deadline (result arrived), median relative error of the host's predicted local training
@@ -55,7 +59,10 @@ class RunOutcome:
     host_by_macs: list[tuple[float, float]] = field(default_factory=list)  # the same without the narrow point
     emulated: list[tuple[float, float]] = field(default_factory=list)  # (predicted, observed) board seconds
     replans: list[dict[str, Any]] = field(default_factory=list)
-    accuracy: float = 0.0
+    # Each board's accuracy on the submodel it deploys (server/run_report.board_accuracy), and every member's.
+    boards: dict[str, float] = field(default_factory=dict)
+    members: dict[str, float] = field(default_factory=dict)
+    refused: int = 0  # results the coordinator's update screen refused (rejected_update_norm / _direction)
 
 
 def run(
@@ -79,6 +86,7 @@ def run(
     from nestling.server.clock import VirtualClock
     from nestling.server.coordinator import Coordinator, RoundPolicy
     from nestling.server.evaluation import Evaluator
+    from nestling.server.run_report import board_accuracy
     from nestling.server.strategies import StrategyContext, create_strategy
     from nestling.server.strategies.base import DeviceInfo
     from nestling.simulator.backend import InProcessBackend
@@ -167,8 +175,10 @@ def run(
             if "observed_s" in plan and not plan["censored"]:
                 outcome.emulated.append((plan["predicted_s"], plan["observed_s"]))
         outcome.replans += [{**r, "round": record.round} for r in record.replans]
-        if record.submodels:
-            outcome.accuracy = min(s["accuracy"] for s in record.submodels)
+        outcome.refused += sum(v for k, v in record.counters.items() if k.startswith("rejected_update"))
+    outcome.members = {e.name: e.accuracy for e in coordinator.last_eval}
+    deployed = board_accuracy(strategy, devices, coordinator.last_eval, rounds - 1) or {"boards": {}}
+    outcome.boards = {d: b["accuracy"] for d, b in deployed["boards"].items()}
     for spec in strategy.specs:
         outcome.memory[spec.id] = float(estimate(spec, strategy.batch_size).training_bytes)
     return outcome
@@ -251,9 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     profiled = run(True, **kwargs)  # type: ignore[arg-type]
     tiers = run(False, **kwargs)  # type: ignore[arg-type]
     for outcome in (profiled, tiers):
+        accuracy = list(outcome.boards.values()) or [float("nan")]
+        members = " ".join(f"{name} {100 * acc:.1f}" for name, acc in outcome.members.items())
         print(
-            f"{outcome.name:<9} deadline hit {outcome.hits}/{outcome.board_rounds}  worst accuracy "
-            f"{100 * outcome.accuracy:.1f}%  re-plans {len(outcome.replans)}"
+            f"{outcome.name:<9} deadline hit {outcome.hits}/{outcome.board_rounds}  deployed accuracy mean "
+            f"{100 * statistics.mean(accuracy):.1f}% worst board {100 * min(accuracy):.1f}%  re-plans "
+            f"{len(outcome.replans)}  updates refused by the screen {outcome.refused}  (members: {members})"
         )
         for dev, specs in sorted(outcome.specs.items()):
             sizes = " ".join(f"{outcome.memory[s] / 1e6:.1f}" for s in specs)
