@@ -77,7 +77,9 @@ def config_changes(run_dir: Path, cfg: SimConfig) -> list[str]:
     if not recorded.is_file():
         return []
     try:  # read back through the config class, so a setting added since then counts at its default
-        before = _flatten(tomllib.loads(config_to_toml(config_from_dict(tomllib.loads(recorded.read_text())))))
+        before = _flatten(
+            tomllib.loads(config_to_toml(config_from_dict(tomllib.loads(recorded.read_text()))))
+        )
     except (ConfigError, tomllib.TOMLDecodeError) as exc:
         return [f"its config.toml no longer reads ({exc})"]
     after = _flatten(tomllib.loads(config_to_toml(cfg)))
