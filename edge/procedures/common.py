@@ -74,5 +74,22 @@ def clip_gradients(params: list[nn.Parameter], hp: dict[str, Any]) -> None:
         nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], float(clip))
 
 
+def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(z / T) over classes, in float32 whatever dtype the logits have.
+
+    Distillation compares the softmaxes of nearly equal logits; under bf16 autocast the logits arrive in
+    bfloat16 and softmax would stay there, so the KD gradient (student probabilities minus teacher
+    probabilities) would be a difference of two numbers rounded to an 8-bit mantissa: 14-33 % off when
+    the exits agree to ~0.02 in their logits (tests/edge/procedures/test_common.py). In fp32 a no-op."""
+    z = logits.float()
+    return F.log_softmax(z if temperature == 1.0 else z / temperature, dim=1)
+
+
+def probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """softmax(z / T) over classes, in float32 (see `log_probs`)."""
+    z = logits.float()
+    return F.softmax(z if temperature == 1.0 else z / temperature, dim=1)
+
+
 def outputs_list(out: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     return out if isinstance(out, list) else [out]

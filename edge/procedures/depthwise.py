@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, step
+from nestling.edge.procedures.common import (
+    batches,
+    cross_entropy,
+    log_probs,
+    make_optimizer,
+    probs,
+    step,
+)
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
@@ -138,9 +145,9 @@ def mutual_loss(
         if m:
             total = total + cross_entropy(own, y, hp)
         if len(logits) > 1:
-            log_p = F.log_softmax(own, dim=1)
+            log_p = log_probs(own)  # float32 under bf16 autocast too (common.log_probs)
             kl = sum(
-                F.kl_div(log_p, F.softmax(peer.detach(), dim=1), reduction="batchmean")
+                F.kl_div(log_p, probs(peer.detach()), reduction="batchmean")
                 for k, peer in enumerate(logits)
                 if k != m
             )

@@ -8,7 +8,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from nestling.edge.procedures.common import batches, make_optimizer, outputs_list, step
+from nestling.edge.procedures.common import batches, log_probs, make_optimizer, outputs_list, probs, step
 from nestling.edge.procedures.feddyn import FedDynTerm
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.net import ScalableNet
@@ -28,13 +28,13 @@ def depthfl_loss(
     d = len(outputs)
     loss = cast(torch.Tensor, sum(F.cross_entropy(z, y) for z in outputs))
     if use_kd and d > 1:
-        log_probs = [F.log_softmax(z, dim=1) for z in outputs]
-        targets = [F.softmax(z.detach(), dim=1) for z in outputs]
-        kd = outputs[0].new_zeros(())
+        students = [log_probs(z) for z in outputs]  # float32 under bf16 autocast too (common.log_probs)
+        targets = [probs(z.detach()) for z in outputs]
+        kd = students[0].new_zeros(())
         for i in range(d):
             for j in range(d):
                 if i != j:
-                    kd = kd + F.kl_div(log_probs[i], targets[j] + 1e-7, reduction="batchmean")
+                    kd = kd + F.kl_div(students[i], targets[j] + 1e-7, reduction="batchmean")
         loss = loss + kd_weight / (d - 1) * kd
     return loss
 
@@ -58,10 +58,7 @@ def scalefl_loss(
             t = temperature
             # KLDivLoss 'mean' of the reference: over batch *and* classes, written out because torch's
             # 'mean' is deprecated and will turn into 'batchmean'.
-            kl = (
-                F.kl_div(F.log_softmax(student / t, dim=1), F.softmax(teacher / t, dim=1), reduction="sum")
-                / student.numel()
-            )
+            kl = F.kl_div(log_probs(student, t), probs(teacher, t), reduction="sum") / student.numel()
             term = term + gamma * t * t * kl
         loss = loss + w * term
     return loss

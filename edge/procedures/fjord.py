@@ -5,20 +5,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from nestling.edge.procedures.common import (
     batches,
     clip_gradients,
     cross_entropy,
+    log_probs,
     make_optimizer,
     outputs_list,
+    probs,
     step,
 )
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.layers import set_active_width
 from nestling.models.net import ScalableNet
 from nestling.task_params import FjordParams
+
+
+def fjord_kd_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the student's softmax against the detached teacher's (T = 1), batch mean, in float32
+    whatever dtype the logits have (common.log_probs)."""
+    return torch.sum(-probs(teacher.detach()) * log_probs(student), dim=1).mean()
 
 
 def widths_up_to(p_max: float, levels: list[float]) -> list[float]:
@@ -51,8 +58,7 @@ def train_fjord(
             cross_entropy(teacher, y, hp).backward()
             set_active_width(model, p)
             student = outputs_list(model(x))[-1]
-            soft = F.softmax(teacher.detach(), dim=1)
-            loss = torch.sum(-soft * F.log_softmax(student, dim=1), dim=1).mean()
+            loss = fjord_kd_loss(student, teacher)
             loss.backward()
             clip_gradients(params, hp)  # the step holds both backward passes' gradients
             optimizer.step()
