@@ -35,11 +35,11 @@ from nestling.server.screening import (
     FlatUpdate,
     GlobalLayout,
     RobustPolicy,
+    UpdateWorkspace,
     absolute_reason,
     clip_update,
     direction_cosines,
     direction_outliers,
-    flat_update,
     largest_magnitude,
     outliers,
     update_size,
@@ -147,6 +147,7 @@ class Coordinator:
         self._updates: dict[str, FlatUpdate] = {}  # task id -> its flat update, for this round's screening
         self._refused_tasks: set[str] = set()  # this round's tasks whose result arrived and was refused
         self._global_layout: GlobalLayout | None = None
+        self._workspace = UpdateWorkspace()  # the round's flat updates, in buffers reused across rounds
         self._judged: set[str] = set()  # devices whose result reached validation this round
         self._non_finite: set[str] = set()  # ... and of those, the ones whose tensors were NaN/Inf
         # Divergence guard: the strategy's state before the last applied aggregation, and who it applied.
@@ -178,6 +179,7 @@ class Coordinator:
         self._updates, self._judged, self._non_finite = {}, set(), set()
         self._refused_tasks = set()
         tasks = self.strategy.assign(round_index, selected)
+        self._workspace.new_round(len(tasks))
         plans, replans = self.strategy.plan_report(round_index, selected, tasks)
         dispatched_at = self.clock.now()
         self.transport.dispatch(list(tasks.values()))
@@ -322,11 +324,12 @@ class Coordinator:
             return "rejected_num_samples"
         if self.policy.robust.screen_updates:
             measured = time.perf_counter()
-            update = flat_update(task, result)
+            update = self._workspace.flat_update(task, result)
             size = update.size
             self.aggregate_seconds += time.perf_counter() - measured
             reason = absolute_reason(size, self.policy.robust)
             if reason:
+                self._workspace.release(update)
                 if not math.isfinite(size.norm):
                     self._non_finite.add(result.device_id)
                 self.refusals.refuse(round_index, result.device_id, "rejected_update_norm", reason)
@@ -348,7 +351,9 @@ class Coordinator:
                 counters["rejected_update_norm"] += 1
             accepted = [pair for i, pair in enumerate(accepted) if i not in refused]
         if robust.screen_updates and robust.min_update_cosine > -1.0 and len(accepted) >= 3:
-            cosines = direction_cosines([self._updates[r.task_id] for _, r in accepted], self._layout())
+            cosines = direction_cosines(
+                [self._updates[r.task_id] for _, r in accepted], self._layout(), self._workspace
+            )
             turned = direction_outliers(cosines, robust)
             for index, reason in sorted(turned.items()):
                 device_id = accepted[index][1].device_id
@@ -379,7 +384,8 @@ class Coordinator:
         """The strategy's state before a round, by reference: `Strategy.aggregate` replaces state tensors and
         never writes into them (tests/server/strategies/test_state_contract.py holds every method to it), so
         no copy is needed; `load_state` copies when rolling back."""
-        return dict(self.strategy.state_tensors()), json.loads(json.dumps(self.strategy.state_meta()))
+        meta = self.strategy.state_meta()
+        return dict(self.strategy.state_tensors()), json.loads(json.dumps(meta)) if meta else {}
 
     def _aggregate_guarded(
         self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]

@@ -19,8 +19,33 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from nestling.config import RunSection
-from nestling.errors import ConfigError, SpecError
+from nestling.errors import ConfigError
 from nestling.messages import Result, Task
+from nestling.server.flat_updates import (  # re-exported: screening's callers read updates through here
+    FlatUpdate,
+    UpdateSize,
+    UpdateWorkspace,
+    flat_update,
+    update_size,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "FlatUpdate",
+    "GlobalLayout",
+    "RobustPolicy",
+    "UpdateSize",
+    "UpdateWorkspace",
+    "absolute_reason",
+    "clip_update",
+    "direction_cosines",
+    "direction_outliers",
+    "flat_update",
+    "largest_magnitude",
+    "outliers",
+    "robust_policy",
+    "update_size",
+]
 
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 
@@ -62,18 +87,6 @@ class RobustPolicy:
                 raise ConfigError(f"[run] {message}")
 
 
-@dataclass(frozen=True)
-class UpdateSize:
-    """An update's L2 norm and element count; rms compares submodels of different sizes fairly."""
-
-    norm: float
-    elements: int
-
-    @property
-    def rms(self) -> float:
-        return self.norm / math.sqrt(max(self.elements, 1))
-
-
 def robust_policy(run: RunSection) -> RobustPolicy:
     """The [run] section's robustness settings (simulator and fleet read the same keys)."""
     return RobustPolicy(
@@ -88,45 +101,6 @@ def robust_policy(run: RunSection) -> RobustPolicy:
         quarantine_rounds=run.quarantine_rounds,
         min_update_cosine=run.min_update_cosine,
     )
-
-
-@dataclass(frozen=True)
-class FlatUpdate:
-    """One result's update as a flat float32 vector over the floating tensors it shares with its task, in
-    `keys` order, with its size. The vector is what the direction screen compares."""
-
-    keys: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    vector: torch.Tensor
-    size: UpdateSize
-
-
-@torch.no_grad()
-def flat_update(task: Task, result: Result) -> FlatUpdate:
-    """result − task flattened in one pass; the norm is inf when any element (or the norm) is non-finite."""
-    weights, sent_weights = result.weights, task.weights
-    keys = tuple(key for key, value in weights.items() if value.is_floating_point() and key in sent_weights)
-    if not keys:
-        return FlatUpdate((), (), torch.zeros(0), UpdateSize(0.0, 0))
-    trained_tensors = [weights[k] for k in keys]
-    shapes = tuple(t.shape for t in trained_tensors)
-    # One C++ flattening per side (torch's own bucket flattening, as DDP uses) instead of a Python call per
-    # tensor: on a 34-tensor model this is a third of the time. Mixed precisions are compared in float32.
-    trained = _flatten_dense_tensors(trained_tensors)
-    sent = _flatten_dense_tensors([sent_weights[k] for k in keys])
-    if trained.numel() != sent.numel():
-        raise SpecError(f"result of {result.device_id} does not have its task's shapes")
-    # Out of place: flattening a single tensor returns a view of the uploaded weights themselves.
-    vector = torch.sub(trained.float(), sent.float())
-    norm = float(torch.linalg.vector_norm(vector))  # float32: a norm that overflows it is non-finite
-    return FlatUpdate(
-        keys, shapes, vector, UpdateSize(norm if math.isfinite(norm) else math.inf, vector.numel())
-    )
-
-
-def update_size(task: Task, result: Result) -> UpdateSize:
-    """L2 norm of result − task over the floating tensors the result carries; inf if non-finite."""
-    return flat_update(task, result).size
 
 
 class GlobalLayout:
@@ -167,12 +141,18 @@ class GlobalLayout:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def direction_cosines(updates: list[FlatUpdate], layout: GlobalLayout) -> list[float | None]:
+def direction_cosines(
+    updates: list[FlatUpdate], layout: GlobalLayout, workspace: UpdateWorkspace | None = None
+) -> list[float | None]:
     """Each update's cosine with the mean of the others, per element over the others that touch it.
 
     Updates that do not nest in the global layout get None (not judged). Updates of one submodel layout are
     summed as plain vectors; only one scatter into the global vector and one gather back happen per distinct
-    layout (a method has a handful), so the cost is a few vector passes per update."""
+    layout (a method has a handful), so the cost is a few vector passes per update. When all updates are of
+    one layout and rows of `workspace`'s matrix, the sum and every u·S come from two matrix-vector products."""
+    stacked = workspace.stacked(updates) if workspace is not None and len(updates) > 1 else None
+    if stacked is not None and layout.positions(updates[0]) is not None:
+        return _stacked_cosines(updates, *stacked)
     groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
     for i, update in enumerate(updates):
         where = layout.positions(update)
@@ -217,6 +197,25 @@ def direction_cosines(updates: list[FlatUpdate], layout: GlobalLayout) -> list[f
             mean_sq = total_sq - 2.0 * float(torch.dot(u, weighted2)) + float(torch.dot(squares, weight_sq))
             denominator = math.sqrt(max(u_sq, 0.0) * max(mean_sq, 0.0))
             cosines[i] = dot / denominator if denominator > 0 else None
+    return cosines
+
+
+def _stacked_cosines(updates: list[FlatUpdate], matrix: torch.Tensor, rows: list[int]) -> list[float | None]:
+    """Cosines of updates of one layout held as rows of `matrix`: S and M S in one pass each; u·u is the norm
+    measured on arrival. As `_uniform_cosines`, u·(S − u) / (|u| |S − u|)."""
+    if sorted(rows) == list(range(len(rows))):  # the usual case: the round's first rows, read in place
+        span = matrix[: len(rows)]
+    else:  # some were refused: copy the others out (a refused row may hold anything, even inf)
+        span, rows = matrix[rows], list(range(len(rows)))
+    total = span.sum(dim=0)
+    with_total = torch.mv(span, total).tolist()
+    total_sq = math.fsum(with_total)  # S·S = Σ u·S
+    cosines: list[float | None] = []
+    for update, row in zip(updates, rows, strict=True):
+        u_sq, u_total = update.size.norm**2, with_total[row]
+        mean_sq = total_sq - 2.0 * u_total + u_sq
+        denominator = math.sqrt(max(u_sq, 0.0) * max(mean_sq, 0.0))
+        cosines.append((u_total - u_sq) / denominator if denominator > 0 else None)
     return cosines
 
 
@@ -279,15 +278,18 @@ def absolute_reason(size: UpdateSize, policy: RobustPolicy) -> str | None:
 def outliers(sizes: list[UpdateSize], policy: RobustPolicy) -> dict[int, str]:
     """Index -> reason for every update far outside the round: rms over factor x the others' median rms."""
     refused: dict[int, str] = {}
-    for i, size in enumerate(sizes):
-        others = [s.rms for j, s in enumerate(sizes) if j != i and math.isfinite(s.rms)]
+    rms = [size.rms for size in sizes]
+    finite = [r for r in rms if math.isfinite(r)]
+    for i, mine in enumerate(rms):
+        others = list(finite)
+        if math.isfinite(mine):
+            others.remove(mine)  # the others' median: the round's finite rms without this one
         if not others:
             continue
         typical = median(others)
-        if size.rms > policy.update_norm_factor * max(typical, 1e-12):
+        if mine > policy.update_norm_factor * max(typical, 1e-12):
             refused[i] = (
-                f"update rms {size.rms:.3g} over {policy.update_norm_factor:g}x "
-                f"the round's median {typical:.3g}"
+                f"update rms {mine:.3g} over {policy.update_norm_factor:g}x the round's median {typical:.3g}"
             )
     return refused
 
@@ -309,9 +311,13 @@ def clip_update(task: Task, result: Result, norm: float, bound: float) -> Result
 
 
 def largest_magnitude(state: dict[str, torch.Tensor]) -> float:
-    """max |w| over the floating tensors of a model state (inf when any value is non-finite), in one fused pass."""
+    """max |w| over the floating tensors of a model state (inf when any value is non-finite).
+
+    One flattening C++ call and one min/max pass: a fraction of a per-tensor inf-norm's cost."""
     values = [value for value in state.values() if value.is_floating_point() and value.numel()]
     if not values:
         return 0.0
-    worst = float(torch.stack(torch._foreach_norm(values, math.inf)).max())  # NaN propagates through the max
+    flat = _flatten_dense_tensors(values) if len(values) > 1 else values[0]
+    low, high = torch.aminmax(flat)  # NaN anywhere makes both NaN
+    worst = max(-float(low), float(high))
     return worst if math.isfinite(worst) else math.inf

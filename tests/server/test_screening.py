@@ -153,3 +153,13 @@ def test_flattening_never_writes_into_the_upload_and_compares_mixed_precision_in
     assert flat_update(task, half).vector.dtype == torch.float32
     assert flat_update(task, half).size.norm == pytest.approx(1.0)
     assert update.shapes == ((4,),)
+
+
+def test_largest_magnitude_sees_negative_weights_and_non_finite_ones() -> None:
+    from nestling.server.screening import largest_magnitude
+
+    state = {"a": torch.tensor([0.5, -3.0]), "b": torch.tensor([[2.0]]), "steps": torch.tensor(10**6)}
+    assert largest_magnitude(state) == 3.0  # integer buffers are not weights
+    assert largest_magnitude({"a": torch.tensor([1.0, float("nan")])}) == math.inf
+    assert largest_magnitude({**state, "b": torch.tensor([-float("inf")])}) == math.inf
+    assert largest_magnitude({"steps": torch.tensor(3)}) == 0.0

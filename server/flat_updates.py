@@ -1,0 +1,221 @@
+"""Results' updates (result − task weights) as flat float32 vectors: what update screening measures and compares.
+
+`flat_update` builds one on its own; `UpdateWorkspace` builds a round's updates into rows of a matrix kept from
+round to round. On a small model the cost is per-tensor calls (a tinycnn result is 34 tensors of 5,268 values in
+all), on a large one fresh allocations (every new megabyte-sized vector is page-faulted in): the workspace writes
+each update with two multi-tensor C++ calls into a reused row, and lets the direction screen read a whole round
+with two matrix-vector products.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from operator import itemgetter
+
+import torch
+
+from nestling.errors import SpecError
+from nestling.messages import Result, Task
+
+Shapes = tuple[tuple[int, ...], ...]
+Tensors = list[torch.Tensor] | tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class UpdateSize:
+    """An update's L2 norm and element count; rms compares submodels of different sizes fairly."""
+
+    norm: float
+    elements: int
+
+    @property
+    def rms(self) -> float:
+        return self.norm / math.sqrt(max(self.elements, 1))
+
+
+@dataclass(frozen=True)
+class FlatUpdate:
+    """One result's update as a flat float32 vector over the floating tensors it shares with its task, in
+    `keys` order, with its size. The vector is what the direction screen compares."""
+
+    keys: tuple[str, ...]
+    shapes: Shapes
+    vector: torch.Tensor
+    size: UpdateSize
+
+
+EMPTY = FlatUpdate((), (), torch.zeros(0), UpdateSize(0.0, 0))
+
+
+def _row_views(row: torch.Tensor, shapes: Shapes) -> list[torch.Tensor]:
+    """Views of a flat row shaped like each tensor of an update, in order."""
+    views, offset = [], 0
+    for shape in shapes:
+        count = math.prod(shape)
+        views.append(row[offset : offset + count].view(shape))
+        offset += count
+    return views
+
+
+def _fill(row: torch.Tensor, views: list[torch.Tensor], trained: Tensors, sent: Tensors) -> UpdateSize:
+    """Write result − task into a float32 row through its views; its norm, inf when non-finite.
+
+    Two multi-tensor C++ calls and no allocation. Copying the upload into the row is what keeps the upload
+    untouched, and mixed precisions are compared in float32 (the copy converts a bf16 upload). No no_grad
+    context (a few microseconds a call): uploads and task weights are detached tensors."""
+    torch._foreach_copy_(views, trained)
+    torch._foreach_sub_(views, sent)
+    norm = float(torch.linalg.vector_norm(row))  # float32: a norm that overflows it is non-finite
+    return UpdateSize(norm if math.isfinite(norm) else math.inf, row.numel())
+
+
+def flat_update(task: Task, result: Result) -> FlatUpdate:
+    """result − task in a fresh vector, over the floating tensors the result shares with its task."""
+    sent_weights = task.weights
+    keys = tuple(k for k, v in result.weights.items() if k in sent_weights and v.is_floating_point())
+    if not keys:
+        return EMPTY
+    trained = [result.weights[k] for k in keys]
+    sent = [sent_weights[k] for k in keys]
+    shapes = tuple([t.shape for t in trained])
+    if tuple([t.shape for t in sent]) != shapes:
+        raise SpecError(f"result of {result.device_id} does not have its task's shapes")
+    row = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.float32)
+    return FlatUpdate(keys, shapes, row, _fill(row, _row_views(row, shapes), trained, sent))
+
+
+def update_size(task: Task, result: Result) -> UpdateSize:
+    """L2 norm of result − task over the floating tensors the result carries; inf if non-finite."""
+    return flat_update(task, result).size
+
+
+class _RowPool:
+    """The rows of one update layout (shapes): rows of one matrix, each with its views made once, lent to a
+    round's results and given back. More results than rows get rows of their own; the matrix grows next round."""
+
+    def __init__(self, shapes: Shapes, capacity: int) -> None:
+        self.shapes = shapes
+        self.size = sum(math.prod(s) for s in shapes)
+        self.peak = 0  # most rows lent at once since the last reset
+        self.lent = 0
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self.matrix = torch.empty(capacity, self.size, dtype=torch.float32)
+        self.rows: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = [None] * capacity
+        self.free = list(range(capacity - 1, -1, -1))  # row 0 is lent first
+
+    def take(self) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        """A row, its views, and its index in the matrix (-1: a row of its own)."""
+        self.lent += 1
+        self.peak = max(self.peak, self.lent)
+        if not self.free:
+            row = torch.empty(self.size, dtype=torch.float32)
+            return row, _row_views(row, self.shapes), -1
+        index = self.free.pop()
+        cached = self.rows[index]
+        if cached is None:  # the same row object every round: its identity finds it again
+            row = self.matrix[index]
+            cached = self.rows[index] = (row, _row_views(row, self.shapes))
+        return cached[0], cached[1], index
+
+    def give_back(self, index: int) -> None:
+        self.lent -= 1
+        if index >= 0:
+            self.free.append(index)
+
+    def reset(self, expected: int) -> None:
+        """Every row free; at least `expected` rows (and as many as were lent at once last round)."""
+        wanted = max(expected, self.peak)
+        if wanted > self.matrix.shape[0]:
+            self._allocate(wanted)
+        else:
+            self.free = list(range(self.matrix.shape[0] - 1, -1, -1))
+        self.peak = self.lent = 0
+
+
+class _KeyPlan:
+    """How results with one key order are read against tasks with one key order: the floating keys they share,
+    fetched in one C call per side, and a row pool per layout seen with them."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        self.pick: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]] = (
+            itemgetter(*keys) if len(keys) > 1 else (lambda tensors: (tensors[keys[0]],))
+        )
+        self.pools: dict[Shapes, _RowPool] = {}
+
+
+class UpdateWorkspace:
+    """A round's flat updates, in rows reused from round to round.
+
+    Results are expected validated against their tasks (names, shapes, dtypes), as the coordinator does before
+    screening: which keys an update covers is worked out once per key order. The FlatUpdates returned are valid
+    until `new_round`; layouts not used in the round just ended are dropped then, so memory follows the fleet."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[tuple[str, ...], tuple[str, ...]], _KeyPlan] = {}
+        self._lent: dict[
+            int, tuple[torch.Tensor, _RowPool, int]
+        ] = {}  # id(row) -> row, pool, index (this round)
+        self._expected = 0
+
+    def new_round(self, expected: int) -> None:
+        """Every row is free again (earlier FlatUpdates must no longer be used); about `expected` results
+        (the round's tasks) will arrive."""
+        plans = {}
+        for order, plan in self._plans.items():
+            plan.pools = {shapes: pool for shapes, pool in plan.pools.items() if pool.peak}
+            for pool in plan.pools.values():
+                pool.reset(expected)
+            if plan.pools:
+                plans[order] = plan
+        self._plans, self._lent, self._expected = plans, {}, expected
+
+    def flat_update(self, task: Task, result: Result) -> FlatUpdate:
+        """result − task in a lent row; give it back with `release` when the result is refused."""
+        weights, sent_weights = result.weights, task.weights
+        order = (tuple(weights), tuple(sent_weights))
+        plan = self._plans.get(order)
+        if plan is None:
+            keys = tuple(k for k, v in weights.items() if k in sent_weights and v.is_floating_point())
+            plan = self._plans[order] = _KeyPlan(keys)
+        if not plan.keys:
+            return EMPTY
+        trained, sent = plan.pick(weights), plan.pick(sent_weights)
+        shapes = tuple([t.shape for t in trained])
+        pool = plan.pools.get(shapes)
+        if pool is None:
+            pool = plan.pools[shapes] = _RowPool(shapes, self._expected)
+        row, views, index = pool.take()
+        try:
+            size = _fill(row, views, trained, sent)
+        except RuntimeError as exc:  # a task tensor that does not match the result's shape
+            pool.give_back(index)
+            raise SpecError(f"result of {result.device_id} does not have its task's shapes") from exc
+        self._lent[id(row)] = (row, pool, index)
+        return FlatUpdate(plan.keys, pool.shapes, row, size)
+
+    def _lent_row(self, update: FlatUpdate) -> tuple[torch.Tensor, _RowPool, int] | None:
+        lent = self._lent.get(id(update.vector))
+        return lent if lent is not None and lent[0] is update.vector else None
+
+    def release(self, update: FlatUpdate) -> None:
+        """Give a refused result's row back for the next result of the round."""
+        lent = self._lent_row(update)
+        if lent is not None:
+            del self._lent[id(update.vector)]
+            lent[1].give_back(lent[2])
+
+    def stacked(self, updates: list[FlatUpdate]) -> tuple[torch.Tensor, list[int]] | None:
+        """The matrix whose rows hold all these updates (one layout) and where, or None."""
+        pool, rows = None, []
+        for update in updates:
+            lent = self._lent_row(update)
+            if lent is None or lent[2] < 0 or (pool is not None and lent[1] is not pool):
+                return None
+            pool = lent[1]
+            rows.append(lent[2])
+        return (pool.matrix, rows) if pool is not None else None

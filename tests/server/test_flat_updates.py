@@ -1,0 +1,125 @@
+"""Flat updates: the stand-alone vector and the workspace's reused rows hold the same numbers, rows come back
+round after round, a refused result's row is lent again, and the direction screen reads the workspace's matrix
+exactly as it reads separate vectors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nestling.errors import SpecError
+from nestling.messages import Result, Task
+from nestling.server.flat_updates import UpdateWorkspace, flat_update
+from nestling.server.screening import GlobalLayout, direction_cosines
+
+SHAPES = {"conv.weight": (8, 4, 3, 3), "conv.bias": (8,), "bn.running_mean": (8,), "fc.weight": (10, 8)}
+
+
+def _task(width: int = 8, seed: int = 0) -> Task:
+    generator = torch.Generator().manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {
+        key: torch.randn((width, *shape[1:]) if key != "fc.weight" else (10, width), generator=generator)
+        for key, shape in SHAPES.items()
+    }
+    weights["bn.num_batches_tracked"] = torch.tensor(5)
+    return Task(round=0, device_id="d", spec={}, weights=weights, procedure="sgd", task_id="t")
+
+
+def _result(task: Task, seed: int, scale: float = 0.1, sign: float = 1.0) -> Result:
+    generator = torch.Generator().manual_seed(100 + seed)
+    trend = {k: torch.ones_like(v) for k, v in task.weights.items() if v.is_floating_point()}
+    weights = {
+        k: v + sign * scale * (trend[k] + 0.5 * torch.randn(v.shape, generator=generator))
+        if v.is_floating_point()
+        else v + 1
+        for k, v in task.weights.items()
+    }
+    return Result(
+        round=0, device_id=f"d{seed}", task_id=f"t{seed}", spec_id="s", num_samples=1, weights=weights
+    )
+
+
+def test_the_workspace_row_holds_what_the_stand_alone_update_holds() -> None:
+    task = _task()
+    result = _result(task, 0)
+    before = {k: v.clone() for k, v in result.weights.items()}
+    workspace = UpdateWorkspace()
+    workspace.new_round(4)
+    row, alone = workspace.flat_update(task, result), flat_update(task, result)
+    assert torch.equal(row.vector, alone.vector) and row.size == alone.size
+    assert row.keys == alone.keys and "bn.num_batches_tracked" not in row.keys  # integer buffers are skipped
+    assert row.size.elements == sum(
+        math.prod(v.shape) for k, v in task.weights.items() if v.is_floating_point()
+    )
+    assert all(torch.equal(result.weights[k], before[k]) for k in before)  # the upload is never written
+
+
+def test_rows_are_reused_across_rounds_and_a_released_row_is_lent_again() -> None:
+    task = _task()
+    workspace = UpdateWorkspace()
+    workspace.new_round(3)
+    first = [workspace.flat_update(task, _result(task, i)) for i in range(3)]
+    storage = {u.vector.data_ptr() for u in first}
+    workspace.release(first[1])  # refused on arrival: the next result takes its row
+    again = workspace.flat_update(task, _result(task, 7))
+    assert again.vector is first[1].vector and torch.equal(
+        again.vector, flat_update(task, _result(task, 7)).vector
+    )
+    workspace.new_round(3)
+    second = [workspace.flat_update(task, _result(task, i)) for i in range(3)]
+    assert {u.vector.data_ptr() for u in second} == storage  # no new buffers in a steady round
+
+
+def test_more_results_than_expected_get_rows_of_their_own_and_the_matrix_grows_next_round() -> None:
+    task = _task()
+    workspace = UpdateWorkspace()
+    workspace.new_round(2)
+    updates = [workspace.flat_update(task, _result(task, i)) for i in range(3)]
+    assert workspace.stacked(updates) is None  # one row is outside the matrix: the screen reads vectors
+    assert torch.equal(updates[2].vector, flat_update(task, _result(task, 2)).vector)
+    workspace.new_round(2)
+    updates = [workspace.flat_update(task, _result(task, i)) for i in range(3)]
+    stacked = workspace.stacked(updates)
+    assert stacked is not None and stacked[1] == [0, 1, 2] and stacked[0].shape[0] == 3
+
+
+def test_a_layout_unused_for_a_round_is_dropped() -> None:
+    wide, narrow = _task(8), _task(4)
+    workspace = UpdateWorkspace()
+    workspace.new_round(1)
+    workspace.flat_update(wide, _result(wide, 0))
+    workspace.new_round(1)
+    workspace.flat_update(narrow, _result(narrow, 0))  # only the narrow layout this round
+    workspace.new_round(1)
+    assert [shapes[0][0] for plan in workspace._plans.values() for shapes in plan.pools] == [4]
+
+
+def test_a_task_whose_shapes_differ_from_the_result_is_named() -> None:
+    task = _task()
+    result = _result(task, 0)
+    wrong = Task(**{**task.__dict__, "weights": {**task.weights, "conv.bias": torch.zeros(5)}})
+    workspace = UpdateWorkspace()
+    workspace.new_round(1)
+    with pytest.raises(SpecError, match="task's shapes"):
+        workspace.flat_update(wrong, result)
+    with pytest.raises(SpecError, match="task's shapes"):
+        flat_update(wrong, result)
+
+
+@pytest.mark.parametrize("refuse", [None, 1])
+def test_direction_cosines_from_the_matrix_equal_those_from_vectors(refuse: int | None) -> None:
+    task = _task()
+    layout = GlobalLayout({k: tuple(v.shape) for k, v in task.weights.items() if v.is_floating_point()})
+    results = [_result(task, i, sign=-1.0 if i == 4 else 1.0) for i in range(6)]
+    workspace = UpdateWorkspace()
+    workspace.new_round(len(results))
+    rows = [workspace.flat_update(task, r) for r in results]
+    alone = [flat_update(task, r) for r in results]
+    if refuse is not None:  # an update refused by the norm screen leaves a gap in the matrix
+        del rows[refuse], alone[refuse]
+    assert workspace.stacked(rows) is not None
+    got, want = direction_cosines(rows, layout, workspace), direction_cosines(alone, layout)
+    assert all(g is not None and w is not None and abs(g - w) < 1e-5 for g, w in zip(got, want, strict=True))
+    assert min(got, key=lambda c: c or 0.0) == got[3 if refuse == 1 else 4]  # the sign flip points away
