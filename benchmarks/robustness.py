@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -141,9 +142,9 @@ def interleaved_overhead(
     from nestling.server.screening import (
         GlobalLayout,
         RobustPolicy,
+        UpdateWorkspace,
         direction_cosines,
         direction_outliers,
-        flat_update,
         largest_magnitude,
         outliers,
     )
@@ -163,27 +164,44 @@ def interleaved_overhead(
     policy = RobustPolicy()
     round_index = pairs[0][0].round
     first = create_strategy(method, ctx)
-    # The coordinator keeps the global layout between rounds (positions cached per submodel layout).
+    # The coordinator keeps the global layout (positions cached per submodel layout), its update buffers and
+    # the global model's largest |w| (measured after the previous round's aggregation) between rounds.
     layout = GlobalLayout({k: tuple(v.shape) for k, v in first.global_state.items() if v.is_floating_point()})
+    workspace = UpdateWorkspace()
+    scale_before = largest_magnitude(first.global_state)
 
+    # Both runs replay the round as the coordinator receives it: each result is validated on arrival
+    # (names, shapes, dtypes, finiteness; in both modes and outside the measured time), and with screening its
+    # update is measured right after; the round's screens, the guard and the aggregation follow.
     def aggregate_only() -> float:
         strategy = create_strategy(method, ctx)
+        for task, result in pairs:
+            strategy.validate(task, result)
         started = time.perf_counter()
         strategy.aggregate(round_index, pairs)
         return time.perf_counter() - started
 
     def screened() -> float:
         strategy = create_strategy(method, ctx)
+        workspace.new_round(len(pairs))
+        spent, updates = 0.0, []
+        for task, result in pairs:
+            strategy.validate(task, result)
+            started = time.perf_counter()
+            updates.append(workspace.flat_update(task, result))
+            spent += time.perf_counter() - started
         started = time.perf_counter()
-        updates = [flat_update(task, result) for task, result in pairs]  # as the coordinator does on arrival
         outliers([u.size for u in updates], policy)
-        direction_outliers(direction_cosines(updates, layout), policy)
-        snapshot = dict(strategy.state_tensors())  # the divergence guard: a snapshot by reference ...
-        before = largest_magnitude(strategy.global_state)
+        direction_outliers(direction_cosines(updates, layout, workspace), policy)
+        # The divergence guard: a snapshot by reference, aggregation, the largest weight after it.
+        meta = strategy.state_meta()
+        snapshot = (dict(strategy.state_tensors()), json.loads(json.dumps(meta)) if meta else {})
         strategy.aggregate(round_index, pairs)
-        after = largest_magnitude(strategy.global_state)  # ... and the largest weight before and after
-        del snapshot, before, after
-        return time.perf_counter() - started
+        after = largest_magnitude(strategy.global_state)
+        del snapshot
+        if not math.isfinite(after) or after > policy.divergence_factor * max(scale_before, 1.0):
+            raise RuntimeError("the recorded honest round tripped the divergence guard")
+        return spent + time.perf_counter() - started
 
     plain, guarded = [], []
     aggregate_only(), screened()  # warm-up
@@ -206,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("mean", "trimmed_mean", "median"),
         help="[run] aggregation for every run, honest ones included (default: the methods' mean)",
     )
-    parser.add_argument("--repeats", type=int, default=30, help="interleaved timings of one recorded round")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved timings of one recorded round (default 30, 3 with --quick)",
+    )
     parser.add_argument(
         "--min-update-cosine",
         type=float,
@@ -217,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     if a.quick:
         a.rounds = 3
+    if a.repeats is None:
+        a.repeats = 3 if a.quick else 30
     torch.set_num_threads(1)
     from rich.progress import Progress
 
@@ -247,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     finished = sum(run["finished"] for run in attacks)
     in_run = honest["aggregate_seconds"] / max(runs["honest_unscreened"]["aggregate_seconds"], 1e-9)
     last = recorder.rounds[max(recorder.rounds)]
-    screened_s, plain_s, overhead = interleaved_overhead(a.method, last, 3 if a.quick else a.repeats)
+    screened_s, plain_s, overhead = interleaved_overhead(a.method, last, a.repeats)
     print(
-        f"one honest round of {len(last)} results, {3 if a.quick else a.repeats} interleaved timings: screening + "
+        f"one honest round of {len(last)} results, {a.repeats} interleaved timings: screening + "
         f"guard + aggregation {1e3 * screened_s:.2f} ms, aggregation alone {1e3 * plain_s:.2f} ms "
         f"(whole runs, as the coordinator counted: x{in_run:.2f})"
     )
