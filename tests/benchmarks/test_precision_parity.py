@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from benchmarks.precision_parity import MethodFigures, Outcome, config, parse_args
+from benchmarks.precision_parity import MethodFigures, Outcome, config, outcome, parse_args
 from benchmarks.vs_flower import ENGINES
 from tests.benchmarks.quick_run import run_benchmark, run_script_help
 
@@ -52,31 +55,50 @@ def test_quick_defaults_yield_to_options_given_on_the_command_line() -> None:
     assert parse_args(["--quick", "--rounds", "1"]).rounds == 1
 
 
-def outcome(accuracy: float, *, non_finite: int = 0, rolled_back: int = 0, refused: int = 0) -> Outcome:
+def result(accuracy: float, *, non_finite: int = 0, rolled_back: int = 0, refused: int = 0) -> Outcome:
     return Outcome(accuracy, 10.0, non_finite, rolled_back, refused)
 
 
+def test_a_runs_trouble_is_read_from_its_metrics_but_honest_direction_refusals_do_not_count(
+    tmp_path: Path,
+) -> None:
+    rounds = [
+        {"round": 0, "train_loss": 2.1, "counters": {"rejected_update_direction": 2}},
+        {"round": 1, "train_loss": float("nan"), "counters": {"rejected_update_norm": 1}, "rolled_back": 1},
+        {"round": 2, "train_loss": 1.5, "counters": {"rejected_invalid": 1, "dropouts": 3}},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rounds) + "\n")
+    summary = {
+        "avg_accuracy": 0.5,
+        "train_seconds": 12.0,
+        "submodels": [{"loss": 1.2}, {"loss": float("inf")}],
+    }
+    assert outcome(summary, tmp_path) == Outcome(
+        accuracy=50.0, train_seconds=12.0, non_finite_losses=2, rolled_back=1, refused=2
+    )
+
+
 def test_the_safety_rule_allows_a_drop_within_the_tolerance_or_the_fp32_seed_range() -> None:
-    within = MethodFigures([outcome(50.0), outcome(52.0)], [outcome(49.5), outcome(51.0)])
+    within = MethodFigures([result(50.0), result(52.0)], [result(49.5), result(51.0)])
     assert within.drop == pytest.approx(0.75) and within.safe(tolerance=1.0)
-    noisy = MethodFigures([outcome(50.0), outcome(53.0)], [outcome(48.0), outcome(51.0)])
+    noisy = MethodFigures([result(50.0), result(53.0)], [result(48.0), result(51.0)])
     assert noisy.drop == pytest.approx(2.0) and noisy.allowed_drop(1.0) == 3.0 and noisy.safe(1.0)
-    worse = MethodFigures([outcome(50.0)], [outcome(48.5)])
+    worse = MethodFigures([result(50.0)], [result(48.5)])
     assert not worse.safe(tolerance=1.0) and worse.safe(tolerance=2.0)
-    better = MethodFigures([outcome(50.0)], [outcome(55.0)])  # bf16 ahead is no harm
+    better = MethodFigures([result(50.0)], [result(55.0)])  # bf16 ahead is no harm
     assert better.safe(tolerance=1.0)
 
 
 @pytest.mark.parametrize(
     ("bf16", "trouble"),
     [
-        (outcome(50.0, non_finite=1), "non-finite training loss"),
-        (outcome(50.0, rolled_back=1), "rolled-back round"),
-        (outcome(50.0, refused=2), "more refused updates than fp32"),
+        (result(50.0, non_finite=1), "non-finite training loss"),
+        (result(50.0, rolled_back=1), "rolled-back round"),
+        (result(50.0, refused=2), "more updates refused than fp32"),
     ],
 )
 def test_divergence_signs_make_bf16_unsafe_whatever_the_accuracy(bf16: Outcome, trouble: str) -> None:
-    figures = MethodFigures([outcome(50.0, refused=1)], [bf16])
+    figures = MethodFigures([result(50.0, refused=1)], [bf16])
     assert figures.trouble() == [trouble] and not figures.safe(tolerance=100.0)
 
 
