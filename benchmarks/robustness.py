@@ -62,11 +62,22 @@ def inflated(task: Task, result: Result) -> Result:
     return replace(zeroed, num_samples=10**9)
 
 
+def inflated_bn_variance(task: Task, result: Result) -> Result:
+    """Honest weights; every BN running variance × 10^4 (finite): wrecks every model evaluated with them."""
+    if result.device_id != ATTACKER:
+        return result
+    weights = {
+        k: v * 1.0e4 if k.rsplit(".", 1)[-1] == "running_var" else v for k, v in result.weights.items()
+    }
+    return replace(result, weights=weights)
+
+
 ATTACKS: dict[str, Tamper] = {
     "huge_values": huge,
     "scaled_x100": scaled,
     "sign_flipped": sign_flipped,
     "inflated_num_samples": inflated,
+    "inflated_bn_variance": inflated_bn_variance,
 }
 
 
@@ -139,6 +150,8 @@ def interleaved_overhead(
     timed alternately `repeats` times on fresh strategies (a noisy machine slows both alike); and their ratio."""
     from statistics import median
 
+    from nestling.server.running_statistics import measure as measure_statistics
+    from nestling.server.running_statistics import statistics_outliers
     from nestling.server.screening import (
         GlobalLayout,
         RobustPolicy,
@@ -147,6 +160,7 @@ def interleaved_overhead(
         direction_outliers,
         largest_magnitude,
         outliers,
+        soft_bounds,
     )
     from nestling.server.strategies import StrategyContext, create_strategy
     from nestling.spec import SubmodelSpec
@@ -169,6 +183,7 @@ def interleaved_overhead(
     layout = GlobalLayout({k: tuple(v.shape) for k, v in first.global_state.items() if v.is_floating_point()})
     workspace = UpdateWorkspace()
     scale_before = largest_magnitude(first.global_state)
+    recent = 0.01  # the look back on earlier rounds' median update (a number the coordinator keeps)
 
     # Both runs replay the round as the coordinator receives it: each result is validated on arrival
     # (names, shapes, dtypes, finiteness; in both modes and outside the measured time), and with screening its
@@ -191,7 +206,11 @@ def interleaved_overhead(
             updates.append(workspace.flat_update(task, result))
             spent += time.perf_counter() - started
         started = time.perf_counter()
-        outliers([u.size for u in updates], policy)
+        sizes = [u.size for u in updates]
+        statistics = measure_statistics([u.statistics for u in updates])
+        outliers(sizes, policy, recent)
+        statistics_outliers(statistics, policy.update_norm_factor)
+        soft_bounds(sizes, policy)
         direction_outliers(direction_cosines(updates, layout, workspace), policy)
         # The divergence guard: a snapshot by reference, aggregation, the largest weight after it.
         meta = strategy.state_meta()

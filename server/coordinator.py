@@ -10,10 +10,11 @@ import json
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,7 +32,10 @@ from nestling.server.checkpoint import (
 from nestling.server.clock import Clock
 from nestling.server.evaluation import EvalResult, Evaluator
 from nestling.server.refusals import RefusalLog
+from nestling.server.running_statistics import measure as measure_statistics
+from nestling.server.running_statistics import statistics_outliers
 from nestling.server.screening import (
+    RECENT_ROUNDS,
     FlatUpdate,
     GlobalLayout,
     RobustPolicy,
@@ -42,6 +46,7 @@ from nestling.server.screening import (
     direction_outliers,
     largest_magnitude,
     outliers,
+    soft_bounds,
     update_size,
 )
 from nestling.server.strategies.base import DeviceInfo, Strategy
@@ -96,6 +101,9 @@ class RoundRecord:
     # speed factor; and the boards whose sizing changed this round. Left out of metrics.jsonl when empty.
     plans: dict[str, dict[str, Any]] = field(default_factory=dict)
     replans: list[dict[str, Any]] = field(default_factory=list)
+    # Median rms of the round's screened updates (trained weights): what later rounds' screening looks back
+    # on (server/screening.py `outliers`). Left out of metrics.jsonl when the round screened nothing.
+    update_rms: float | None = None
 
 
 def tensor_bytes(tensors: dict) -> int:
@@ -154,6 +162,8 @@ class Coordinator:
         self._before_last: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
         self._last_applied: tuple[int, list[str]] | None = None
         self._scale: float | None = None  # largest |w| of the global model after the last aggregation
+        self._recent_rms: deque[float] = deque(maxlen=RECENT_ROUNDS)  # rounds' median update rms, newest last
+        self._round_rms: float | None = None  # this round's, once screened
 
     # -- selection ------------------------------------------------------------------------------
     def needed(self) -> int:
@@ -207,6 +217,8 @@ class Coordinator:
             aggregate_started = time.perf_counter()
             aggregated = self._aggregate_guarded(round_index, accepted, counters)
             self.aggregate_seconds += time.perf_counter() - aggregate_started
+            if aggregated and self._round_rms is not None:
+                self._recent_rms.append(self._round_rms)
             if not aggregated:
                 rolled_back, quarantined = round_index, self._quarantine(round_index, accepted)
         elif received < quorum:
@@ -237,6 +249,7 @@ class Coordinator:
             method=self.strategy.round_report(round_index, accepted if aggregated else []),
             plans=plans,
             replans=replans,
+            update_rms=self._round_rms,
         )
         if self._is_eval_round(round_index):
             self.last_eval = (
@@ -341,14 +354,40 @@ class Coordinator:
     def _screen_round(
         self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]
     ) -> list[tuple[Task, Result]]:
-        """Refuse updates far outside the round's distribution, then clip what remains if configured."""
+        """Refuse updates far outside the round's distribution (their trained weights' size and direction, their
+        BN running statistics' values), then clip what remains if configured."""
         robust = self.policy.robust
-        if robust.screen_updates and len(accepted) >= 2:
-            refused = outliers([self._updates[r.task_id].size for _, r in accepted], robust)
+        self._round_rms = None
+        softened: dict[str, float] = {}  # task id -> the norm its update was clipped to above
+        if robust.screen_updates and accepted:
+            updates = [self._updates[r.task_id] for _, r in accepted]
+            sizes = [u.size for u in updates]
+            statistics = measure_statistics([u.statistics for u in updates])
+            refused = {i: m.problem for i, m in enumerate(statistics) if m.problem is not None}
+            recent = median(self._recent_rms) if self._recent_rms else None
+            for index, reason in outliers(sizes, robust, recent).items():
+                refused.setdefault(index, reason)
+            for index, reason in statistics_outliers(statistics, robust.update_norm_factor).items():
+                refused.setdefault(index, reason)
             for index, reason in sorted(refused.items()):
                 device_id = accepted[index][1].device_id
                 self.refusals.refuse(round_index, device_id, "rejected_update_norm", reason)
                 counters["rejected_update_norm"] += 1
+            for index, bound in soft_bounds(sizes, robust).items():
+                if index not in refused:
+                    task, result = accepted[index]
+                    accepted[index] = (task, clip_update(task, result, sizes[index].norm, bound))
+                    softened[result.task_id] = bound
+                    counters["clipped_update_norm"] += 1
+                    log.info(
+                        "round %d: %s's update (rms %.3g) clipped to %gx the round's median",
+                        round_index,
+                        result.device_id,
+                        sizes[index].rms,
+                        robust.update_norm_factor,
+                    )
+            kept = [size.rms for i, size in enumerate(sizes) if i not in refused and math.isfinite(size.rms)]
+            self._round_rms = median(kept) if kept else None
             accepted = [pair for i, pair in enumerate(accepted) if i not in refused]
         if robust.screen_updates and robust.min_update_cosine > -1.0 and len(accepted) >= 3:
             cosines = direction_cosines(
@@ -365,10 +404,12 @@ class Coordinator:
             clipped = []
             for task, result in accepted:
                 known = self._updates.get(result.task_id)
-                size = known.size if known is not None else update_size(task, result)
-                if size.norm > bound:
+                norm = softened.get(result.task_id)
+                if norm is None:
+                    norm = known.size.norm if known is not None else update_size(task, result).norm
+                if norm > bound:
                     counters["clipped"] += 1
-                clipped.append((task, clip_update(task, result, size.norm, bound)))
+                clipped.append((task, clip_update(task, result, norm, bound)))
             accepted = clipped
         return accepted
 
@@ -473,6 +514,8 @@ class Coordinator:
         for key in ("plans", "replans"):  # runs without profiled boards keep their metrics as they were
             if not line[key]:
                 del line[key]
+        if line["update_rms"] is None:
+            del line["update_rms"]
         with (self.out_dir / "metrics.jsonl").open("a") as fh:
             fh.write(json.dumps(line) + "\n")
         last = round_index == self.policy.rounds - 1
@@ -514,6 +557,10 @@ class Coordinator:
                 if line.strip() and json.loads(line)["round"] < self.start_round
             ]
             metrics.write_text("".join(line + "\n" for line in kept))
+            for line in kept:  # the screening's look back, as the uninterrupted run had it
+                rms = json.loads(line).get("update_rms")
+                if isinstance(rms, (int, float)) and math.isfinite(rms):
+                    self._recent_rms.append(float(rms))
         return self.start_round
 
     def run(self) -> list[RoundRecord]:

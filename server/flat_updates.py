@@ -1,5 +1,9 @@
 """Results' updates (result − task weights) as flat float32 vectors: what update screening measures and compares.
 
+BN running statistics are not part of the vector: they are measured from data, not trained, and a submodel
+no board has trained yet has its statistics leave their initial values on its first update, a change far larger
+than any trained weight's. They travel beside it, judged by their values (server/running_statistics.py).
+
 `flat_update` builds one on its own; `UpdateWorkspace` builds a round's updates into rows of a matrix kept from
 round to round. On a small model the cost is per-tensor calls (a tinycnn result is 34 tensors of 5,268 values in
 all), on a large one fresh allocations (every new megabyte-sized vector is page-faulted in): the workspace writes
@@ -11,13 +15,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import itemgetter
 
 import torch
 
 from nestling.errors import SpecError
 from nestling.messages import Result, Task
+from nestling.models.layers import is_running_statistic
+from nestling.server.running_statistics import NO_STATISTICS, UploadedStatistics
 
 Shapes = tuple[tuple[int, ...], ...]
 Tensors = list[torch.Tensor] | tuple[torch.Tensor, ...]
@@ -37,16 +43,29 @@ class UpdateSize:
 
 @dataclass(frozen=True)
 class FlatUpdate:
-    """One result's update as a flat float32 vector over the floating tensors it shares with its task, in
-    `keys` order, with its size. The vector is what the direction screen compares."""
+    """One result's update as a flat float32 vector over the trained floating tensors it shares with its task
+    (BN running statistics apart, in `statistics`), in `keys` order, with its size. The vector is what the
+    norm and direction screens measure."""
 
     keys: tuple[str, ...]
     shapes: Shapes
     vector: torch.Tensor
     size: UpdateSize
+    statistics: UploadedStatistics = NO_STATISTICS
 
 
 EMPTY = FlatUpdate((), (), torch.zeros(0), UpdateSize(0.0, 0))
+
+
+def split_keys(
+    weights: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]
+) -> tuple[tuple[str, ...], ...]:
+    """The floating keys a result shares with its task: (trained, running statistics), in the result's order."""
+    shared = [k for k, v in weights.items() if k in sent and v.is_floating_point()]
+    return (
+        tuple(k for k in shared if not is_running_statistic(k)),
+        tuple(k for k in shared if is_running_statistic(k)),
+    )
 
 
 def _row_views(row: torch.Tensor, shapes: Shapes) -> list[torch.Tensor]:
@@ -72,22 +91,23 @@ def _fill(row: torch.Tensor, views: list[torch.Tensor], trained: Tensors, sent: 
 
 
 def flat_update(task: Task, result: Result) -> FlatUpdate:
-    """result − task in a fresh vector, over the floating tensors the result shares with its task."""
+    """result − task in a fresh vector, over the trained floating tensors the result shares with its task."""
     sent_weights = task.weights
-    keys = tuple(k for k, v in result.weights.items() if k in sent_weights and v.is_floating_point())
+    keys, statistic_keys = split_keys(result.weights, sent_weights)
+    statistics = UploadedStatistics(statistic_keys, tuple(result.weights[k] for k in statistic_keys))
     if not keys:
-        return EMPTY
+        return replace(EMPTY, statistics=statistics)
     trained = [result.weights[k] for k in keys]
     sent = [sent_weights[k] for k in keys]
     shapes = tuple([t.shape for t in trained])
     if tuple([t.shape for t in sent]) != shapes:
         raise SpecError(f"result of {result.device_id} does not have its task's shapes")
     row = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.float32)
-    return FlatUpdate(keys, shapes, row, _fill(row, _row_views(row, shapes), trained, sent))
+    return FlatUpdate(keys, shapes, row, _fill(row, _row_views(row, shapes), trained, sent), statistics)
 
 
 def update_size(task: Task, result: Result) -> UpdateSize:
-    """L2 norm of result − task over the floating tensors the result carries; inf if non-finite."""
+    """L2 norm of result − task over the trained floating tensors the result carries; inf if non-finite."""
     return flat_update(task, result).size
 
 
@@ -140,12 +160,27 @@ class _KeyPlan:
     """How results with one key order are read against tasks with one key order: the floating keys they share,
     fetched in one C call per side, and a row pool per layout seen with them."""
 
-    def __init__(self, keys: tuple[str, ...]) -> None:
+    def __init__(self, keys: tuple[str, ...], statistic_keys: tuple[str, ...]) -> None:
         self.keys = keys
-        self.pick: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]] = (
-            itemgetter(*keys) if len(keys) > 1 else (lambda tensors: (tensors[keys[0]],))
-        )
+        self.statistic_keys = statistic_keys
+        self.pick = _picker(keys)
+        self.pick_statistics = _picker(statistic_keys)
         self.pools: dict[Shapes, _RowPool] = {}
+
+    def statistics(self, weights: dict[str, torch.Tensor]) -> UploadedStatistics:
+        """The result's running statistics (measured with the round's, server/running_statistics.py)."""
+        if not self.statistic_keys:
+            return NO_STATISTICS
+        return UploadedStatistics(self.statistic_keys, self.pick_statistics(weights))
+
+
+def _picker(keys: tuple[str, ...]) -> Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]:
+    """These keys' tensors in one C call (itemgetter of one key returns the tensor, not a tuple)."""
+    if len(keys) > 1:
+        return itemgetter(*keys)
+    if keys:
+        return lambda tensors: (tensors[keys[0]],)
+    return lambda tensors: ()
 
 
 class UpdateWorkspace:
@@ -180,10 +215,10 @@ class UpdateWorkspace:
         order = (tuple(weights), tuple(sent_weights))
         plan = self._plans.get(order)
         if plan is None:
-            keys = tuple(k for k, v in weights.items() if k in sent_weights and v.is_floating_point())
-            plan = self._plans[order] = _KeyPlan(keys)
+            plan = self._plans[order] = _KeyPlan(*split_keys(weights, sent_weights))
+        statistics = plan.statistics(weights)
         if not plan.keys:
-            return EMPTY
+            return replace(EMPTY, statistics=statistics)
         trained, sent = plan.pick(weights), plan.pick(sent_weights)
         shapes = tuple([t.shape for t in trained])
         pool = plan.pools.get(shapes)
@@ -196,7 +231,7 @@ class UpdateWorkspace:
             pool.give_back(index)
             raise SpecError(f"result of {result.device_id} does not have its task's shapes") from exc
         self._lent[id(row)] = (row, pool, index)
-        return FlatUpdate(plan.keys, pool.shapes, row, size)
+        return FlatUpdate(plan.keys, pool.shapes, row, size, statistics)
 
     def _lent_row(self, update: FlatUpdate) -> tuple[torch.Tensor, _RowPool, int] | None:
         lent = self._lent.get(id(update.vector))

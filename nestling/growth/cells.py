@@ -18,10 +18,10 @@ import torch
 from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
 from nestling.models.family import GrowthCells, ModelFamily, family_of
+from nestling.models.layers import is_running_statistic
 
 State = dict[str, torch.Tensor]
 CELL_KINDS = ("inherited", "widened", "inserted")
-_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def cell_of_key(key: str) -> int | None:
 
 def is_statistic(key: str) -> bool:
     """BN running statistics and counters: state, not trained weights."""
-    return key.rsplit(".", 1)[-1] in _STATISTICS
+    return is_running_statistic(key)
 
 
 def cell_parameter_count(state: Mapping[str, torch.Tensor], cell: int) -> int:

@@ -105,6 +105,23 @@ class SlimLinear(nn.Linear):
         return F.linear(x, self.weight[:n_out, :n_in], bias)
 
 
+RUNNING_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def is_running_statistic(key: str) -> bool:
+    """A BN running statistic or counter (also the per-width `running_mean_w{j}` / `running_var_w{j}`):
+    state measured from data, not a trained weight, so it moves by its own rules (a never-trained submodel's
+    statistics jump from their initial values on its first update)."""
+    name = key.rsplit(".", 1)[-1]
+    return name in RUNNING_STATISTICS or name.startswith(("running_mean_w", "running_var_w"))
+
+
+def is_running_variance(key: str) -> bool:
+    """A BN running variance (never negative in an honest model)."""
+    name = key.rsplit(".", 1)[-1]
+    return name == "running_var" or name.startswith("running_var_w")
+
+
 class SlimBatchNorm2d(nn.BatchNorm2d):
     """BatchNorm over a channel prefix, with the statistics policy each method needs (METHODS §1.3).
 

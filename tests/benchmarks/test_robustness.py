@@ -24,7 +24,7 @@ def test_quick_mode_prints_the_verdict_line() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("worst_acc_drop=") and " runs_finished=4/4 " in last and "honest_overhead=" in last
+    assert last.startswith("worst_acc_drop=") and " runs_finished=5/5 " in last and "honest_overhead=" in last
 
 
 def test_help_runs_as_a_script() -> None:

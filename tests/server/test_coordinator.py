@@ -220,3 +220,21 @@ def test_resume_after_a_crash_gives_the_same_final_weights_as_an_uninterrupted_r
         for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     ]
     assert rounds == [0, 1, 2]
+
+
+def test_the_screenings_look_back_is_recorded_and_restored_on_resume(make_ctx, tmp_path: Path) -> None:
+    """Each round's median update rms goes to metrics.jsonl; a resumed coordinator looks back on the same
+    rounds as the uninterrupted one did."""
+
+    def varied(tasks: list[Task]) -> list[Result]:
+        return [result_for(t, value=1.0 + 0.1 * i) for i, t in enumerate(tasks)]
+
+    first = coordinator(make_ctx, varied, tmp=tmp_path, checkpoint_every=1, rounds=3)
+    first.run()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["update_rms"] > 0 for line in lines)
+    assert list(first._recent_rms) == [line["update_rms"] for line in lines]
+    (tmp_path / "checkpoints" / "round-000002").rename(tmp_path / "dropped")
+    resumed = coordinator(make_ctx, varied, tmp=tmp_path, checkpoint_every=1, rounds=3)
+    assert resumed.resume() == 2
+    assert list(resumed._recent_rms) == [line["update_rms"] for line in lines[:2]]

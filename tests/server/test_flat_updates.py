@@ -50,8 +50,11 @@ def test_the_workspace_row_holds_what_the_stand_alone_update_holds() -> None:
     row, alone = workspace.flat_update(task, result), flat_update(task, result)
     assert torch.equal(row.vector, alone.vector) and row.size == alone.size
     assert row.keys == alone.keys and "bn.num_batches_tracked" not in row.keys  # integer buffers are skipped
+    assert "bn.running_mean" not in row.keys and row.statistics == alone.statistics  # statistics ride beside
     assert row.size.elements == sum(
-        math.prod(v.shape) for k, v in task.weights.items() if v.is_floating_point()
+        math.prod(v.shape)
+        for k, v in task.weights.items()
+        if v.is_floating_point() and k != "bn.running_mean"
     )
     assert all(torch.equal(result.weights[k], before[k]) for k in before)  # the upload is never written
 
@@ -123,3 +126,44 @@ def test_direction_cosines_from_the_matrix_equal_those_from_vectors(refuse: int 
     got, want = direction_cosines(rows, layout, workspace), direction_cosines(alone, layout)
     assert all(g is not None and w is not None and abs(g - w) < 1e-5 for g, w in zip(got, want, strict=True))
     assert min(got, key=lambda c: c or 0.0) == got[3 if refuse == 1 else 4]  # the sign flip points away
+
+
+def _with_statistics(mean: float, var: float, weight_step: float) -> tuple[Task, Result]:
+    task = Task(
+        round=0,
+        device_id="d",
+        spec={},
+        weights={
+            "conv.weight": torch.ones(4, 2),
+            "bn.running_mean": torch.zeros(4),
+            "bn.running_var": torch.ones(4),
+            "bn.num_batches_tracked": torch.tensor(0),
+            "bn.running_var_w1": torch.ones(2),
+        },
+        procedure="sgd",
+        task_id="t",
+    )
+    weights = {
+        "conv.weight": torch.ones(4, 2) + weight_step,
+        "bn.running_mean": torch.full((4,), mean),
+        "bn.running_var": torch.full((4,), var),
+        "bn.num_batches_tracked": torch.tensor(7),
+        "bn.running_var_w1": torch.full((2,), var),
+    }
+    return task, Result(round=0, device_id="d", task_id="t", spec_id="s", num_samples=1, weights=weights)
+
+
+def test_running_statistics_stay_out_of_the_update_and_travel_beside_it() -> None:
+    """Statistics leaving their initial values (a submodel's first update) do not count in the update's norm;
+    the uploaded tensors ride beside it, the same from the workspace as stand-alone."""
+    task, result = _with_statistics(mean=0.5, var=9.0, weight_step=0.01)
+    workspace = UpdateWorkspace()
+    workspace.new_round(1)
+    for update in (flat_update(task, result), workspace.flat_update(task, result)):
+        assert update.keys == ("conv.weight",)
+        assert update.size.norm == pytest.approx(0.01 * math.sqrt(8))
+        assert update.statistics.keys == ("bn.running_mean", "bn.running_var", "bn.running_var_w1")
+        assert all(
+            t is result.weights[k]
+            for k, t in zip(update.statistics.keys, update.statistics.tensors, strict=True)
+        )

@@ -47,14 +47,29 @@ def test_a_huge_valued_board_is_refused_in_the_simulator(tmp_path: Path) -> None
     assert summary["quarantined"] == []
 
 
-@pytest.mark.parametrize("attack", ["huge_values", "sign_flipped"])
+def test_a_board_inflating_bn_running_variances_is_refused(tmp_path: Path) -> None:
+    """Honest weights, every running variance × 10^4: the update's norm over trained weights is honest, the
+    statistics screen refuses it, and the model's variances stay where the honest boards put them."""
+    run_simulation(tiny(rounds=2), tmp_path / "attacked", tamper=ATTACKS["inflated_bn_variance"])
+    run_simulation(tiny(rounds=2), tmp_path / "honest")
+    records = [
+        json.loads(line) for line in (tmp_path / "attacked" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert sum(r["counters"].get("rejected_update_norm", 0) for r in records) >= 1
+    attacked, honest = final_weights(tmp_path / "attacked"), final_weights(tmp_path / "honest")
+    for key, value in attacked.items():
+        if key.endswith("running_var"):
+            assert float(value.max()) < 10 * float(honest[key].max()), key
+
+
+@pytest.mark.parametrize("attack", ["huge_values", "inflated_bn_variance", "sign_flipped"])
 def test_with_quorum_one_a_refused_board_does_not_cost_the_round(tmp_path: Path, attack: str) -> None:
     """The quorum counts results that arrived valid: one refused update (an attacker's, or an honest outlier
     the direction screen refuses) leaves the round to the others instead of abandoning it."""
     run_simulation(tiny(quorum=1.0, rounds=3), tmp_path, tamper=ATTACKS[attack])
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    refused = {"huge_values": "rejected_update_norm", "sign_flipped": "rejected_update_direction"}[attack]
-    assert all(r["aggregated"] and r["accepted"] == 3 for r in records)
+    refused = {"sign_flipped": "rejected_update_direction"}.get(attack, "rejected_update_norm")
+    assert all(r["aggregated"] and r["accepted"] == 4 - r["counters"].get(refused, 0) for r in records)
     assert sum(r["counters"].get(refused, 0) for r in records) >= 1
     assert not any(r["counters"].get("rounds_below_quorum") for r in records)
 
