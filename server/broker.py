@@ -76,6 +76,11 @@ class EmbeddedBroker:
             raise DependencyError("the embedded broker needs amqtt: pip install amqtt") from error
         if self._thread is not None:
             raise ConfigError("embedded broker already started")
+        # amqtt's per-session state machine (the `transitions` package) logs every state change at INFO: noise
+        # for an operator at --log-level INFO. Left alone when someone set that logger's level on purpose.
+        chatter = logging.getLogger("transitions")
+        if chatter.level == logging.NOTSET:
+            chatter.setLevel(logging.WARNING)
         attempts = 5 if self.port == 0 else 1  # a picked port can be taken before we bind it
         last_error: BaseException | None = None
         for _ in range(attempts):

@@ -1,5 +1,6 @@
 """Broker helpers: the embedded amqtt broker carries multi-MB QoS 1 payloads; mosquitto is launched."""
 
+import logging
 import os
 import queue
 import signal
@@ -66,6 +67,16 @@ def test_embedded_broker_carries_a_5_mb_qos1_payload():
             assert info.is_published() and message.qos == QOS and message.payload == payload
         finally:
             close(receiver, sender)
+
+
+def test_the_embedded_broker_keeps_its_session_state_machine_quiet_at_info(caplog: pytest.LogCaptureFixture):
+    """At --log-level INFO an operator sees the fleet, not amqtt's per-session state changes (the `transitions`
+    package logs each one at INFO, from the broker's thread)."""
+    with caplog.at_level(logging.INFO), EmbeddedBroker() as broker:
+        client, _ = connected(broker.port, "chatty")
+        close(client)
+        time.sleep(0.3)  # the broker handles the disconnect on its own thread
+    assert not [r for r in caplog.records if r.name.startswith("transitions")]
 
 
 def test_stop_releases_the_port_and_is_idempotent():
