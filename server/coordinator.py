@@ -364,7 +364,7 @@ class Coordinator:
             sizes = [u.size for u in updates]
             statistics = measure_statistics([u.statistics for u in updates])
             refused = {i: m.problem for i, m in enumerate(statistics) if m.problem is not None}
-            recent = median(self._recent_rms) if self._recent_rms else None
+            recent = max(self._recent_rms) if self._recent_rms else None
             for index, reason in outliers(sizes, robust, recent).items():
                 refused.setdefault(index, reason)
             for index, reason in statistics_outliers(statistics, robust.update_norm_factor).items():

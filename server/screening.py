@@ -6,8 +6,9 @@ other results of the same round (factor × their median norm), and (reason `upda
 that points against the round's consensus: its cosine with the mean of the other updates, compared on the
 coordinates both touch (nested submodels are prefixes of the global tensors), below `min_update_cosine`. Clipping scales an update down to a
 bound (the DP-FedAvg style L2 bound) instead of refusing it. The round-relative rule also looks back a few
-rounds (`outliers`): an update between factor x the round's median and factor x the recent rounds' is kept,
-clipped to the round's bound. Both act before aggregation and only
+rounds (`outliers`): an update between factor x the round's median and factor x the largest median of the last
+RECENT_ROUNDS rounds is kept, clipped to the round's bound, so it weighs no more than the largest update the
+round-relative rule alone would have let through. Both act before aggregation and only
 read honest results, so an honest run whose updates pass is aggregated bit for bit as before.
 
 BN running statistics are measured from data, not trained: a submodel no board has trained yet has them leave
@@ -288,7 +289,7 @@ def absolute_reason(size: UpdateSize, policy: RobustPolicy) -> str | None:
     return None
 
 
-RECENT_ROUNDS = 5  # rounds whose median update size `outliers` also measures against (see there)
+RECENT_ROUNDS = 10  # rounds whose largest median update size `outliers` also measures against (see there)
 
 
 def _others_median(rms: list[float]) -> list[float | None]:
@@ -302,12 +303,13 @@ def _others_median(rms: list[float]) -> list[float | None]:
 
 def outliers(sizes: list[UpdateSize], policy: RobustPolicy, recent: float | None = None) -> dict[int, str]:
     """Index -> reason for every update far outside the round: rms over factor x the others' median rms, and
-    over factor x `recent` (the median update of the last RECENT_ROUNDS rounds) when that is larger.
+    over factor x `recent` (the largest round median update of the last RECENT_ROUNDS rounds) when that is larger.
 
     Late in a run the boards' updates on data their submodel has learned shrink 10-30x (ResNet-20 NeFL on
     digits: round medians 0.02 at round 3, 0.0006 at round 8), while a board whose data is new to its submodel
-    (re-planned onto it) still moves it as much as updates did a few rounds before: measured against the round
-    alone it was refused every round. Such updates are kept, scaled down to the round's bound (`soft_bounds`)."""
+    (re-planned onto it, or back after missing deadlines) still moves it as much as updates did a few rounds
+    before: measured against the round alone it was refused every round. Such updates are kept, scaled down to
+    the round's bound (`soft_bounds`)."""
     refused: dict[int, str] = {}
     rms = [size.rms for size in sizes]
     for i, (mine, typical) in enumerate(zip(rms, _others_median(rms), strict=True)):
@@ -317,7 +319,7 @@ def outliers(sizes: list[UpdateSize], policy: RobustPolicy, recent: float | None
         if mine > policy.update_norm_factor * max(reference, 1e-12):
             against = f"the round's median {typical:.3g}"
             if reference > typical:
-                against += f" and the last rounds' {reference:.3g}"
+                against += f" and the last rounds' largest {reference:.3g}"
             refused[i] = f"update rms {mine:.3g} over {policy.update_norm_factor:g}x {against}"
     return refused
 
