@@ -7,7 +7,6 @@ command, so the agent itself (edge/agent.py, edge/emulation.py) only ever sees p
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 from dataclasses import replace
@@ -23,6 +22,7 @@ from nestling.edge.emulation import EmulationTarget
 from nestling.edge.procedures import ClientData
 from nestling.edge.service import UNIT_NAME, write_unit
 from nestling.errors import ConfigError, NestlingError
+from nestling.log_setup import configure_logging
 from nestling.plugins import load_plugins
 
 _PARTITION_OPTIONS = {"dirichlet": ("alpha",), "balanced-dirichlet": ("alpha",), "scalefl": ("alpha",)}
@@ -170,8 +170,8 @@ def agent_main(argv: list[str]) -> int:
     )
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True
+    configure_logging(
+        args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s", force=True
     )  # the top-level CLI configured WARNING already
     try:
         load_plugins()  # $NESTLING_PLUGINS (also when started as python -m nestling.edge.agent_cli)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import NestlingError
+from nestling.log_setup import configure_logging
 from nestling.plugins import load_plugins
 
 # subcommand → (module, function taking argv); modules are imported only when their command runs.
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nestling {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")
     try:
         load_plugins()  # $NESTLING_PLUGINS: families, methods, procedures, board classes of the user's own
         if command == "simulate":

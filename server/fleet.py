@@ -15,6 +15,7 @@ import torch
 from nestling.calibration import calibration_subset
 from nestling.data import load_dataset
 from nestling.errors import NestlingError
+from nestling.log_setup import configure_logging
 from nestling.server.checkpoint import latest_checkpoint
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundRecord
@@ -230,8 +231,8 @@ def server_main(argv: list[str]) -> int:
     )
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True
+    configure_logging(
+        args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s", force=True
     )  # the top-level CLI configured WARNING already
     if args.action == "install-service":
         return _install_service(args.config, args.out, args.user)
