@@ -32,7 +32,9 @@ def test_records_go_to_the_stderr_of_the_moment_even_after_the_first_one_closed(
     first.close()
     second = io.StringIO()
     monkeypatch.setattr(sys, "stderr", second)
-    monkeypatch.setattr(logging, "raiseExceptions", True)  # a handler error would print its traceback to stderr
+    monkeypatch.setattr(
+        logging, "raiseExceptions", True
+    )  # a handler error would print its traceback to stderr
     logging.getLogger("nestling.test").warning("to the second")
     assert second.getvalue() == "WARNING to the second\n"  # the line, and no '--- Logging error ---'
     assert [type(h) for h in root_restored.handlers] == [CurrentStderrHandler]
