@@ -360,6 +360,7 @@ class Coordinator:
         self._round_rms = None
         softened: dict[str, float] = {}  # task id -> the norm its update was clipped to above
         if robust.screen_updates and accepted:
+            accepted = list(accepted)  # soft clipping replaces entries: not in the caller's list
             updates = [self._updates[r.task_id] for _, r in accepted]
             sizes = [u.size for u in updates]
             statistics = measure_statistics([u.statistics for u in updates])
@@ -557,9 +558,12 @@ class Coordinator:
                 if line.strip() and json.loads(line)["round"] < self.start_round
             ]
             metrics.write_text("".join(line + "\n" for line in kept))
-            for line in kept:  # the screening's look back, as the uninterrupted run had it
-                rms = json.loads(line).get("update_rms")
-                if isinstance(rms, (int, float)) and math.isfinite(rms):
+            for (
+                line
+            ) in kept:  # the screening's look back, as the uninterrupted run had it (aggregated rounds)
+                record = json.loads(line)
+                rms = record.get("update_rms")
+                if record.get("aggregated") and isinstance(rms, (int, float)) and math.isfinite(rms):
                     self._recent_rms.append(float(rms))
         return self.start_round
 
