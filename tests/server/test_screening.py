@@ -24,24 +24,18 @@ from nestling.server.screening import (
 )
 
 
-def pair(update: float, n: int = 4) -> tuple[Task, Result]:
-    task = Task(
-        round=0,
-        device_id="d",
-        spec={},
-        weights={"w": torch.ones(n), "steps": torch.tensor(3)},
-        procedure="sgd",
-        task_id="t",
-    )
-    result = Result(
-        round=0,
-        device_id="d",
-        task_id="t",
-        spec_id="s",
-        num_samples=1,
-        weights={"w": torch.ones(n) + update, "steps": torch.tensor(9)},
-    )
+def exchange(sent: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> tuple[Task, Result]:
+    """A task carrying `sent` and the result that answers it with `trained`."""
+    task = Task(round=0, device_id="d", spec={}, weights=sent, procedure="sgd", task_id="t")
+    result = Result(round=0, device_id="d", task_id="t", spec_id="s", num_samples=1, weights=trained)
     return task, result
+
+
+def pair(update: float, n: int = 4) -> tuple[Task, Result]:
+    return exchange(
+        {"w": torch.ones(n), "steps": torch.tensor(3)},
+        {"w": torch.ones(n) + update, "steps": torch.tensor(9)},
+    )
 
 
 def test_update_size_skips_integer_buffers_and_overflow_is_non_finite() -> None:
@@ -167,21 +161,9 @@ def test_largest_magnitude_sees_negative_weights_and_non_finite_ones() -> None:
 
 
 def test_clipping_leaves_running_statistics_as_uploaded() -> None:
-    task = Task(
-        round=0,
-        device_id="d",
-        spec={},
-        weights={"w": torch.zeros(4), "bn.running_var": torch.ones(4)},
-        procedure="sgd",
-        task_id="t",
-    )
-    result = Result(
-        round=0,
-        device_id="d",
-        task_id="t",
-        spec_id="s",
-        num_samples=1,
-        weights={"w": torch.full((4,), 2.0), "bn.running_var": torch.full((4,), 7.0)},
+    task, result = exchange(
+        {"w": torch.zeros(4), "bn.running_var": torch.ones(4)},
+        {"w": torch.full((4,), 2.0), "bn.running_var": torch.full((4,), 7.0)},
     )
     size = update_size(task, result)
     assert size.norm == pytest.approx(4.0)
