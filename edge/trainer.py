@@ -13,6 +13,7 @@ from nestling.edge.execution import apply_memory_format, task_precision
 from nestling.edge.procedures import ClientData, DeviceStore, check_hparams, get_procedure
 from nestling.messages import Result, Task
 from nestling.models.zoo import build
+from nestling.packed import pack
 from nestling.spec import SubmodelSpec
 
 
@@ -80,7 +81,7 @@ def run_task(
         device_id=task.device_id,
         task_id=task.task_id,
         spec_id=spec.id,
-        weights=trained,
+        weights=pack(trained),  # one buffer: what the server's update screen reads in one operation
         num_samples=outcome.num_samples,
         metrics=metrics,
         model_id=task.model_id,

@@ -15,6 +15,7 @@ from torch import nn
 from nestling.errors import SpecError
 from nestling.models.layers import SlimBatchNorm2d, SlimLayerNorm
 from nestling.models.zoo import build
+from nestling.packed import pack
 from nestling.spec import SubmodelSpec
 
 Region = tuple[slice, ...]
@@ -78,14 +79,14 @@ def extract(
     keys: set[str] | None = None,
     copy: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The submodel's weights out of the global state (a copy unless `copy=False`, then views)."""
+    """The submodel's weights out of the global state: a packed copy (nestling/packed.py: one buffer, what
+    the update screen subtracts a packed result from) unless `copy=False`, then views of the global tensors."""
     out: dict[str, torch.Tensor] = {}
     for key, region in slices_for(spec).items():
         if keys is not None and key not in keys:
             continue
-        view = global_state[key][region]
-        out[key] = view.clone() if copy else view
-    return out
+        out[key] = global_state[key][region]
+    return pack(out) if copy else out
 
 
 def scatter(

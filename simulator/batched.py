@@ -25,6 +25,7 @@ from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
+from nestling.packed import pack
 from nestling.simulator.grouped import GroupedClients, groupable, per_client_clip, per_client_cross_entropy
 from nestling.spec import SubmodelSpec
 
@@ -142,7 +143,7 @@ def train_batched(
                 device_id=task.device_id,
                 task_id=task.task_id,
                 spec_id=spec.id,
-                weights=weights,
+                weights=pack(weights),
                 num_samples=len(data),
                 metrics=metrics,
                 model_id=task.model_id,

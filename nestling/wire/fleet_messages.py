@@ -14,6 +14,7 @@ from typing import Any
 
 from nestling.errors import WireError
 from nestling.messages import Result, Task
+from nestling.packed import pack
 from nestling.wire.codec import Message, decode_message, encode_message
 
 HELLO, STATUS, TASK, RESULT, REHELLO, SERVER_STATUS = (
@@ -100,7 +101,7 @@ def decode_task(message: Message) -> tuple[Task, str]:
         round=message.round,
         device_id=message.device_id,
         spec=_require(meta, "spec", dict, "an object"),
-        weights=message.tensors,
+        weights=pack(message.tensors),  # one buffer: what the update screen reads in one operation
         procedure=_short(meta, "procedure"),
         hparams=_require(meta, "hparams", dict, "an object"),
         deadline_s=deadline,
