@@ -18,7 +18,6 @@ import math
 from bisect import bisect_left
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import accumulate
 
 import numpy as np
 import torch
@@ -32,10 +31,33 @@ FLOAT32_NORM_LIMIT = math.sqrt(float(torch.finfo(torch.float32).max))  # the upd
 
 @dataclass(frozen=True)
 class UploadedStatistics:
-    """A result's BN running statistics as uploaded (its tensors, not copies), in the result's key order."""
+    """A result's BN running statistics as uploaded (its tensors, not copies), in the result's key order.
+
+    A packed result (nestling/packed.py) also hands them over as one vector, `flat`, in `keys` order, with
+    their `shapes`: the round's statistics are then one stack, not a concatenation of every tensor."""
 
     keys: tuple[str, ...]
-    tensors: tuple[torch.Tensor, ...]
+    tensors: tuple[torch.Tensor, ...] = ()  # empty when `flat` holds them
+    flat: torch.Tensor | None = None
+    shapes: Shapes | None = None
+    layout: object = None  # an interned object standing for (keys, shapes): grouping by it hashes nothing big
+
+    def tensor_list(self) -> tuple[torch.Tensor, ...]:
+        """Each statistics tensor (views of `flat` for a packed result)."""
+        if self.flat is None or self.shapes is None:
+            return self.tensors
+        views, offset = [], 0
+        for shape in self.shapes:
+            count = math.prod(shape)
+            views.append(self.flat[offset : offset + count].view(shape))
+            offset += count
+        return tuple(views)
+
+    @property
+    def signature(self) -> tuple[tuple[str, ...], Shapes]:
+        """What results measured together share: keys and shapes."""
+        shapes = self.shapes if self.shapes is not None else tuple(tuple(t.shape) for t in self.tensors)
+        return self.keys, shapes
 
 
 NO_STATISTICS = UploadedStatistics((), ())
@@ -51,21 +73,28 @@ class MeasuredStatistics:
 
 
 class _Layout:
-    """Positions of one layout's tensors in their concatenation: the end of each in the cumulative sum of
-    squares (with a leading zero), the square root of each count, and every running variance's elements."""
+    """Where each tensor of one layout sits in their concatenation (the start of each non-empty one, for one
+    reduceat), the square root of each count, and every running variance's elements."""
 
     def __init__(self, keys: tuple[str, ...], shapes: Shapes) -> None:
-        counts = [math.prod(shape) for shape in shapes]
-        ends = list(accumulate(counts))
-        self.size = ends[-1] if ends else 0
-        self.ends = torch.tensor([0, *ends], dtype=torch.int64)  # in the sum padded with a leading zero
-        self.roots = np.sqrt(np.maximum(np.asarray(counts, dtype=np.float64), 1.0))
+        counts = np.asarray([math.prod(shape) for shape in shapes], dtype=np.int64)
+        ends = np.cumsum(counts)
+        self.size = int(ends[-1]) if len(ends) else 0
+        self.nonempty = counts > 0
+        self.all_nonempty = bool(self.nonempty.all())
+        self.starts = (ends - counts)[self.nonempty]
+        self.roots = np.sqrt(np.maximum(counts.astype(np.float64), 1.0))
         variances = [
-            torch.arange(end - count, end)
-            for key, count, end in zip(keys, counts, ends, strict=True)
+            np.arange(end - count, end)
+            for key, count, end in zip(keys, counts.tolist(), ends.tolist(), strict=True)
             if is_running_variance(key) and count
         ]
-        self.variances = torch.cat(variances) if variances else None
+        self.variances: np.ndarray | slice | None = None
+        if variances:
+            indices = np.concatenate(variances)  # ascending
+            trailing = int(indices[0]) + len(indices) == self.size == int(indices[-1]) + 1
+            # a trailing block (packed results keep variances last) is read as a view, not gathered
+            self.variances = slice(int(indices[0]), None) if trailing else indices
 
 
 @lru_cache(maxsize=256)
@@ -74,36 +103,47 @@ def _layout(keys: tuple[str, ...], shapes: Shapes) -> _Layout:
 
 
 def measure(statistics: list[UploadedStatistics]) -> list[MeasuredStatistics]:
-    """Every result's statistics measured, results of one layout together."""
-    groups: dict[tuple[tuple[str, ...], tuple[torch.Size, ...]], list[int]] = {}
+    """Every result's statistics measured, results of one layout together (a handful of numpy calls)."""
+    groups: dict[object, list[int]] = {}
     for index, uploaded in enumerate(statistics):
-        groups.setdefault((uploaded.keys, tuple([t.shape for t in uploaded.tensors])), []).append(index)
+        groups.setdefault(uploaded.layout or uploaded.signature, []).append(index)
     measured = [MeasuredStatistics((), ())] * len(statistics)
-    for (keys, shapes), members in groups.items():
-        layout = _layout(keys, tuple(tuple(shape) for shape in shapes))
+    for members in groups.values():
+        keys, shapes = statistics[members[0]].signature
+        layout = _layout(keys, shapes)
         if not keys or layout.size == 0:
             for index in members:
                 measured[index] = MeasuredStatistics(keys, (0.0,) * len(keys))
             continue
-        tensors = [t for index in members for t in statistics[index].tensors]
-        values = _flatten_dense_tensors(tensors).view(len(members), layout.size)  # mixed dtypes promoted
-        squares = values.to(torch.float64).square_().cumsum(1)
-        running = torch.nn.functional.pad(squares, (1, 0)).index_select(1, layout.ends).numpy()
-        rms = np.sqrt(np.abs(np.diff(running, axis=1))) / layout.roots
-        in_range = [bool(ok) for ok in np.all(rms < FLOAT32_NORM_LIMIT, axis=1).reshape(-1)]  # False for NaN
-        negative: list[bool] = (
-            (values.index_select(1, layout.variances).amin(1) < 0).tolist()
+        parts = [t for i in members for t in _parts(statistics[i])]
+        flat = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0]  # mixed dtypes promoted
+        if flat.dtype not in (torch.float32, torch.float64):
+            flat = flat.float()
+        values = flat.numpy().reshape(len(members), layout.size)
+        squares = np.square(values, dtype=np.float64)  # float32 values squared without overflow
+        if layout.all_nonempty:
+            sums = np.add.reduceat(squares, layout.starts, axis=1)
+        else:
+            sums = np.zeros((len(members), len(keys)))
+            sums[:, layout.nonempty] = np.add.reduceat(squares, layout.starts, axis=1)
+        rms_rows = (np.sqrt(sums) / layout.roots).tolist()
+        lowest = (
+            values[:, layout.variances].min(axis=1).tolist()
             if layout.variances is not None
-            else [False] * len(members)
+            else [0.0] * len(members)
         )
-        for row, (index, values_rms) in enumerate(zip(members, rms.tolist(), strict=True)):
+        for index, rms, low in zip(members, rms_rows, lowest, strict=True):
             problem = None
-            if not in_range[row]:
-                problem = _range_problem(keys, values_rms)
-            elif negative[row]:
-                problem = _negative_variance(keys, statistics[index].tensors)
-            measured[index] = MeasuredStatistics(keys, tuple(values_rms), problem)
+            if not all(value < FLOAT32_NORM_LIMIT for value in rms):  # False for NaN too
+                problem = _range_problem(keys, rms)
+            elif low < 0:
+                problem = _negative_variance(keys, statistics[index].tensor_list())
+            measured[index] = MeasuredStatistics(keys, tuple(rms), problem)
     return measured
+
+
+def _parts(uploaded: UploadedStatistics) -> tuple[torch.Tensor, ...]:
+    return (uploaded.flat,) if uploaded.flat is not None else uploaded.tensors
 
 
 def _range_problem(keys: tuple[str, ...], rms: list[float]) -> str:
@@ -130,6 +170,14 @@ def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> di
     differs from the whole tensor's by about the square root of the width ratio at most): a tensor's rms over
     factor x the median of the others' rms for that key refuses the result. A key only one result carries is
     not judged (nothing to compare with); the divergence guard still stands behind it."""
+    judged = [index for index, stats in enumerate(measured) if stats.problem is None]
+    if len(judged) >= 2 and all(measured[i].keys == measured[judged[0]].keys for i in judged):
+        return _one_layout_outliers(measured, judged, factor)
+    return _by_key_outliers(measured, factor)
+
+
+def _by_key_outliers(measured: list[MeasuredStatistics], factor: float) -> dict[int, str]:
+    """`statistics_outliers` for results of different layouts: key by key over the results that carry it."""
     by_key: dict[str, list[tuple[int, float]]] = {}
     for index, stats in enumerate(measured):
         if stats.problem is None:
@@ -151,6 +199,28 @@ def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> di
                     f"BN running statistic {key} rms {mine:.3g} over {factor:g}x the round's median {typical:.3g}",
                 )
     return {index: reason for index, (_, reason) in sorted(worst.items())}
+
+
+def _one_layout_outliers(
+    measured: list[MeasuredStatistics], judged: list[int], factor: float
+) -> dict[int, str]:
+    """`statistics_outliers` when every judged result carries the same keys (the usual round): column by column
+    of the results' rms, only values over factor x their column's smallest looked at further."""
+    keys = measured[judged[0]].keys
+    worst: dict[int, tuple[float, str]] = {}
+    for key, column in zip(keys, zip(*(measured[i].rms for i in judged), strict=True), strict=True):
+        ordered = sorted(column)
+        low = factor * ordered[0]
+        for row in [row for row, mine in enumerate(column) if mine > low]:
+            mine = column[row]
+            typical = median_without(ordered, bisect_left(ordered, mine))
+            ratio = mine / max(typical, 1e-12)
+            if ratio > factor and ratio > worst.get(row, (0.0, ""))[0]:
+                worst[row] = (
+                    ratio,
+                    f"BN running statistic {key} rms {mine:.3g} over {factor:g}x the round's median {typical:.3g}",
+                )
+    return {judged[row]: reason for row, (_, reason) in sorted(worst.items())}
 
 
 def median_without(ordered: list[float], position: int) -> float:

@@ -151,3 +151,35 @@ def test_the_first_update_of_a_never_trained_submodel_is_not_refused() -> None:
     measured = measure([u.statistics for u in updates])
     assert all(m.problem is None for m in measured)
     assert statistics_outliers(measured, RobustPolicy().update_norm_factor) == {}
+
+
+@pytest.mark.parametrize("results", [2, 3, 4, 7, 10])
+def test_the_one_layout_columns_refuse_exactly_what_the_key_by_key_rule_refuses(results: int) -> None:
+    """The usual round (every result with the same keys) is judged column by column; ties, outliers on several keys
+    and in several rows included, it must agree with the general rule reason for reason."""
+    from nestling.server.running_statistics import _by_key_outliers
+
+    generator = torch.Generator().manual_seed(results)
+    keys = ("a.running_mean", "a.running_var", "b.running_mean")
+    for trial in range(40):
+        rms = torch.rand(results, len(keys), generator=generator).double() + 0.1
+        rms[trial % results, trial % len(keys)] *= 50.0  # an outlier
+        if trial % 3 == 0:
+            rms[(trial + 1) % results] = rms[trial % results]  # ties, even between two outliers
+        if trial % 5 == 0:
+            rms[:, 1] = 0.5  # a column of equal values
+        measured = [MeasuredStatistics(keys, tuple(row.tolist())) for row in rms]
+        assert statistics_outliers(measured, 10.0) == _by_key_outliers(measured, 10.0)
+
+
+def test_statistics_handed_over_as_one_vector_measure_as_their_tensors() -> None:
+    """A packed result gives its statistics as one vector (`flat`) with their shapes: same rms, same problems."""
+    tensors = (torch.randn(4), torch.rand(4) + 0.5, torch.zeros(0), torch.full((3,), -1.0))
+    keys = ("a.running_mean", "a.running_var", "c.running_mean", "d.running_var")
+    apart = UploadedStatistics(keys, tensors)
+    together = UploadedStatistics(
+        keys, tensors, flat=torch.cat(tensors), shapes=tuple(tuple(t.shape) for t in tensors)
+    )
+    measured_apart, measured_together = measure([apart, together])
+    assert measured_together == measured_apart
+    assert measured_apart.problem == "negative BN running variance in d.running_var"
