@@ -159,8 +159,7 @@ def interleaved_overhead(
         direction_cosines,
         direction_outliers,
         largest_magnitude,
-        outliers,
-        soft_bounds,
+        screen_norms,
     )
     from nestling.server.strategies import StrategyContext, create_strategy
     from nestling.spec import SubmodelSpec
@@ -186,8 +185,9 @@ def interleaved_overhead(
     recent = 0.01  # the look back on earlier rounds' median update (a number the coordinator keeps)
 
     # Both runs replay the round as the coordinator receives it: each result is validated on arrival
-    # (names, shapes, dtypes, finiteness; in both modes and outside the measured time), and with screening its
-    # update is measured right after; the round's screens, the guard and the aggregation follow.
+    # (names, shapes, dtypes, finiteness; in both modes and outside the measured time), and with screening the
+    # update of a result that is not packed (nestling/packed.py) is measured right after; packed results' updates
+    # are measured together at the round's end, then the round's screens, the guard and the aggregation follow.
     def aggregate_only() -> float:
         strategy = create_strategy(method, ctx)
         for task, result in pairs:
@@ -199,18 +199,21 @@ def interleaved_overhead(
     def screened() -> float:
         strategy = create_strategy(method, ctx)
         workspace.new_round(len(pairs))
-        spent, updates = 0.0, []
+        spent, on_arrival = 0.0, {}
         for task, result in pairs:
             strategy.validate(task, result)
             started = time.perf_counter()
-            updates.append(workspace.flat_update(task, result))
+            if not workspace.packed(task, result):  # packed results are measured with the round, below
+                on_arrival[result.task_id] = workspace.flat_update(task, result)
             spent += time.perf_counter() - started
         started = time.perf_counter()
+        waiting = [(task, result) for task, result in pairs if result.task_id not in on_arrival]
+        measured = dict(zip([r.task_id for _, r in waiting], workspace.flat_updates(waiting), strict=True))
+        updates = [on_arrival.get(r.task_id) or measured[r.task_id] for _, r in pairs]
         sizes = [u.size for u in updates]
         statistics = measure_statistics([u.statistics for u in updates])
-        outliers(sizes, policy, recent)
+        screen_norms(sizes, policy, recent)
         statistics_outliers(statistics, policy.update_norm_factor)
-        soft_bounds(sizes, policy)
         direction_outliers(direction_cosines(updates, layout, workspace), policy)
         # The divergence guard: a snapshot by reference, aggregation, the largest weight after it.
         meta = strategy.state_meta()

@@ -45,8 +45,7 @@ from nestling.server.screening import (
     direction_cosines,
     direction_outliers,
     largest_magnitude,
-    outliers,
-    soft_bounds,
+    screen_norms,
     update_size,
 )
 from nestling.server.strategies.base import DeviceInfo, Strategy
@@ -336,6 +335,11 @@ class Coordinator:
             )
             return "rejected_num_samples"
         if self.policy.robust.screen_updates:
+            if self.policy.robust.max_update_norm is None and self._workspace.packed(task, result):
+                # Measured with the round's other packed results in `_screen_round` (a few operations for all
+                # of them); a non-finite update is refused there. With an absolute bound, on arrival as below.
+                self.seen_tasks.add(result.task_id)
+                return None
             measured = time.perf_counter()
             update = self._workspace.flat_update(task, result)
             size = update.size
@@ -360,13 +364,16 @@ class Coordinator:
         self._round_rms = None
         softened: dict[str, float] = {}  # task id -> the norm its update was clipped to above
         if robust.screen_updates and accepted:
+            accepted = self._measure_waiting(round_index, accepted, counters)
+        if robust.screen_updates and accepted:
             accepted = list(accepted)  # soft clipping replaces entries: not in the caller's list
             updates = [self._updates[r.task_id] for _, r in accepted]
             sizes = [u.size for u in updates]
             statistics = measure_statistics([u.statistics for u in updates])
             refused = {i: m.problem for i, m in enumerate(statistics) if m.problem is not None}
             recent = max(self._recent_rms) if self._recent_rms else None
-            for index, reason in outliers(sizes, robust, recent).items():
+            too_large, bounds = screen_norms(sizes, robust, recent)
+            for index, reason in too_large.items():
                 refused.setdefault(index, reason)
             for index, reason in statistics_outliers(statistics, robust.update_norm_factor).items():
                 refused.setdefault(index, reason)
@@ -374,7 +381,7 @@ class Coordinator:
                 device_id = accepted[index][1].device_id
                 self.refusals.refuse(round_index, device_id, "rejected_update_norm", reason)
                 counters["rejected_update_norm"] += 1
-            for index, bound in soft_bounds(sizes, robust).items():
+            for index, bound in bounds.items():
                 if index not in refused:
                     task, result = accepted[index]
                     accepted[index] = (task, clip_update(task, result, sizes[index].norm, bound))
@@ -413,6 +420,27 @@ class Coordinator:
                 clipped.append((task, clip_update(task, result, norm, bound)))
             accepted = clipped
         return accepted
+
+    def _measure_waiting(
+        self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]
+    ) -> list[tuple[Task, Result]]:
+        """Measure the updates left for the round (packed results), together; refuse the non-finite ones."""
+        waiting = [(task, result) for task, result in accepted if result.task_id not in self._updates]
+        if not waiting:
+            return accepted
+        refused: set[str] = set()
+        for (_, result), update in zip(waiting, self._workspace.flat_updates(waiting), strict=True):
+            reason = absolute_reason(update.size, self.policy.robust)
+            if reason is None:
+                self._updates[result.task_id] = update
+                continue
+            self._workspace.release(update)
+            if not math.isfinite(update.size.norm):
+                self._non_finite.add(result.device_id)
+            self.refusals.refuse(round_index, result.device_id, "rejected_update_norm", reason)
+            counters["rejected_update_norm"] += 1
+            refused.add(result.task_id)
+        return [pair for pair in accepted if pair[1].task_id not in refused]
 
     def _layout(self) -> GlobalLayout:
         """The global model's flat layout the direction screen compares nested updates in (cached per shapes)."""

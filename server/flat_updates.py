@@ -8,7 +8,9 @@ than any trained weight's. They travel beside it, judged by their values (server
 round to round. On a small model the cost is per-tensor calls (a tinycnn result is 34 tensors of 5,268 values in
 all), on a large one fresh allocations (every new megabyte-sized vector is page-faulted in): the workspace writes
 each update with two multi-tensor C++ calls into a reused row, and lets the direction screen read a whole round
-with two matrix-vector products.
+with two matrix-vector products. A packed result against its packed task (nestling/packed.py: one buffer each,
+trained tensors first) needs no per-tensor call at all: one subtraction of the two buffers' trained parts, and
+`flat_updates` writes a whole round of them with one stack, one multi-tensor subtraction and one norm.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from operator import itemgetter
+from typing import NamedTuple
 
 import torch
 
 from nestling.errors import SpecError
 from nestling.messages import Result, Task
 from nestling.models.layers import is_running_statistic
+from nestling.packed import PackLayout, packing
 from nestling.server.running_statistics import NO_STATISTICS, UploadedStatistics
 
 Shapes = tuple[tuple[int, ...], ...]
@@ -90,8 +94,60 @@ def _fill(row: torch.Tensor, views: list[torch.Tensor], trained: Tensors, sent: 
     return UpdateSize(norm if math.isfinite(norm) else math.inf, row.numel())
 
 
+class _PackedPair(NamedTuple):
+    """A packed result and its packed task, alike: the parts of their buffers the screen reads."""
+
+    uploaded: torch.Tensor  # the result's trained tensors, in `layout` order
+    sent: torch.Tensor  # the task's
+    statistics: torch.Tensor  # the result's running statistics
+    layout: PackLayout
+
+
+def _packed_pair(task: Task, result: Result) -> _PackedPair | None:
+    """Both packed alike, holding every floating tensor, or None (the per-tensor path then)."""
+    uploaded, sent = packing(result.weights), packing(task.weights)
+    if uploaded is None or sent is None:
+        return None
+    layout = uploaded.layout
+    if layout is None or layout is not sent.layout or not layout.complete:
+        return None
+    if uploaded.trained is None or sent.trained is None or uploaded.statistics is None:
+        return None
+    return _PackedPair(uploaded.trained, sent.trained, uploaded.statistics, layout)
+
+
+def _packed_statistics(pair: _PackedPair) -> UploadedStatistics:
+    layout = pair.layout
+    if not layout.statistic_keys:
+        return NO_STATISTICS
+    return UploadedStatistics(
+        layout.statistic_keys, flat=pair.statistics, shapes=layout.statistic_shapes, layout=layout
+    )
+
+
+def _packed_size(norm: float, layout: PackLayout) -> UpdateSize:
+    return UpdateSize(norm if math.isfinite(norm) else math.inf, layout.trained_size)
+
+
+def _subtract(row: torch.Tensor, pair: _PackedPair) -> UpdateSize:
+    """row = uploaded − sent over the trained parts of two packed states: one vector operation."""
+    torch.sub(pair.uploaded, pair.sent, out=row)
+    return _packed_size(float(torch.linalg.vector_norm(row)), pair.layout)
+
+
 def flat_update(task: Task, result: Result) -> FlatUpdate:
     """result − task in a fresh vector, over the trained floating tensors the result shares with its task."""
+    packed = _packed_pair(task, result)
+    if packed is not None:
+        layout = packed.layout
+        row = torch.empty(layout.trained_size, dtype=torch.float32)
+        return FlatUpdate(
+            layout.trained_keys,
+            layout.trained_shapes,
+            row,
+            _subtract(row, packed),
+            _packed_statistics(packed),
+        )
     sent_weights = task.weights
     keys, statistic_keys = split_keys(result.weights, sent_weights)
     statistics = UploadedStatistics(statistic_keys, tuple(result.weights[k] for k in statistic_keys))
@@ -192,6 +248,7 @@ class UpdateWorkspace:
 
     def __init__(self) -> None:
         self._plans: dict[tuple[tuple[str, ...], tuple[str, ...]], _KeyPlan] = {}
+        self._packed: dict[PackLayout, _RowPool] = {}  # packed results (nestling/packed.py), by layout
         self._lent: dict[
             int, tuple[torch.Tensor, _RowPool, int]
         ] = {}  # id(row) -> row, pool, index (this round)
@@ -207,10 +264,16 @@ class UpdateWorkspace:
                 pool.reset(expected)
             if plan.pools:
                 plans[order] = plan
+        self._packed = {layout: pool for layout, pool in self._packed.items() if pool.peak}
+        for pool in self._packed.values():
+            pool.reset(expected)
         self._plans, self._lent, self._expected = plans, {}, expected
 
     def flat_update(self, task: Task, result: Result) -> FlatUpdate:
         """result − task in a lent row; give it back with `release` when the result is refused."""
+        packed = _packed_pair(task, result)
+        if packed is not None:
+            return self._packed_update(packed)
         weights, sent_weights = result.weights, task.weights
         order = (tuple(weights), tuple(sent_weights))
         plan = self._plans.get(order)
@@ -232,6 +295,64 @@ class UpdateWorkspace:
             raise SpecError(f"result of {result.device_id} does not have its task's shapes") from exc
         self._lent[id(row)] = (row, pool, index)
         return FlatUpdate(plan.keys, pool.shapes, row, size, statistics)
+
+    def packed(self, task: Task, result: Result) -> bool:
+        """Whether this pair's update can wait for `flat_updates` (both packed alike): measured with the round's
+        other packed results in a few operations instead of three per result."""
+        return _packed_pair(task, result) is not None
+
+    def flat_updates(self, pairs: list[tuple[Task, Result]]) -> list[FlatUpdate]:
+        """Each pair's update, as `flat_update` gives it; packed pairs of one layout are written into
+        consecutive rows of their pool with one stack, one multi-tensor subtraction and one norm per layout."""
+        updates: list[FlatUpdate | None] = [None] * len(pairs)
+        groups: dict[PackLayout, list[tuple[int, _PackedPair]]] = {}
+        for i, (task, result) in enumerate(pairs):
+            packed = _packed_pair(task, result)
+            if packed is None or not packed.layout.trained_size:
+                updates[i] = self.flat_update(task, result)
+            else:
+                groups.setdefault(packed.layout, []).append((i, packed))
+        for layout, members in groups.items():
+            pool = self._pool(layout, len(members))
+            taken = [pool.take() for _ in members]
+            rows = [row for row, _, _ in taken]
+            first = taken[0][2]
+            if first >= 0 and [index for _, _, index in taken] == list(range(first, first + len(taken))):
+                block = pool.matrix[first : first + len(taken)]
+                torch.stack([pair.uploaded for _, pair in members], out=block)
+                torch._foreach_sub_(rows, [pair.sent for _, pair in members])
+                norms = torch.linalg.vector_norm(block, dim=1).tolist()
+            else:  # rows scattered (some were given back) or outside the matrix: one at a time
+                for row, (_, pair) in zip(rows, members, strict=True):
+                    torch.sub(pair.uploaded, pair.sent, out=row)
+                norms = [float(torch.linalg.vector_norm(row)) for row in rows]
+            for (row, _, index), (i, pair), norm in zip(taken, members, norms, strict=True):
+                self._lent[id(row)] = (row, pool, index)
+                updates[i] = FlatUpdate(
+                    layout.trained_keys,
+                    layout.trained_shapes,
+                    row,
+                    _packed_size(norm, layout),
+                    _packed_statistics(pair),
+                )
+        return [update for update in updates if update is not None]
+
+    def _pool(self, layout: PackLayout, wanted: int) -> _RowPool:
+        pool = self._packed.get(layout)
+        if pool is None:
+            pool = self._packed[layout] = _RowPool(layout.trained_shapes, max(self._expected, wanted))
+        return pool
+
+    def _packed_update(self, pair: _PackedPair) -> FlatUpdate:
+        """A packed result against its packed task: one subtraction into the row, one norm."""
+        layout = pair.layout
+        if not layout.trained_size:
+            return replace(EMPTY, statistics=_packed_statistics(pair))
+        pool = self._pool(layout, 1)
+        row, _, index = pool.take()
+        size = _subtract(row, pair)
+        self._lent[id(row)] = (row, pool, index)
+        return FlatUpdate(layout.trained_keys, layout.trained_shapes, row, size, _packed_statistics(pair))
 
     def _lent_row(self, update: FlatUpdate) -> tuple[torch.Tensor, _RowPool, int] | None:
         lent = self._lent.get(id(update.vector))

@@ -57,6 +57,7 @@ __all__ = [
     "largest_magnitude",
     "outliers",
     "robust_policy",
+    "screen_norms",
     "soft_bounds",
     "update_size",
 ]
@@ -132,12 +133,17 @@ class GlobalLayout:
             total += math.prod(shape)
         self.size = total
         self._cache: dict[tuple[tuple[str, ...], tuple[tuple[int, ...], ...]], torch.Tensor | None] = {}
+        self._last: tuple[tuple[str, ...], tuple[tuple[int, ...], ...], torch.Tensor | None] | None = None
 
     def positions(self, update: FlatUpdate) -> torch.Tensor | None:
         """Global flat index of every element of `update`, or None when it does not nest in the global model."""
+        last = self._last
+        if last is not None and update.keys is last[0] and update.shapes is last[1]:
+            return last[2]  # the same (interned) key and shape tuples as last time: no hashing of them
         signature = (update.keys, update.shapes)
         if signature not in self._cache:
             self._cache[signature] = self._positions(update)
+        self._last = (update.keys, update.shapes, self._cache[signature])
         return self._cache[signature]
 
     def _positions(self, update: FlatUpdate) -> torch.Tensor | None:
@@ -310,29 +316,36 @@ def outliers(sizes: list[UpdateSize], policy: RobustPolicy, recent: float | None
     (re-planned onto it, or back after missing deadlines) still moves it as much as updates did a few rounds
     before: measured against the round alone it was refused every round. Such updates are kept, scaled down to
     the round's bound (`soft_bounds`)."""
-    refused: dict[int, str] = {}
-    rms = [size.rms for size in sizes]
-    for i, (mine, typical) in enumerate(zip(rms, _others_median(rms), strict=True)):
-        if typical is None:
-            continue
-        reference = max(typical, recent or 0.0)
-        if mine > policy.update_norm_factor * max(reference, 1e-12):
-            against = f"the round's median {typical:.3g}"
-            if reference > typical:
-                against += f" and the last rounds' largest {reference:.3g}"
-            refused[i] = f"update rms {mine:.3g} over {policy.update_norm_factor:g}x {against}"
-    return refused
+    return screen_norms(sizes, policy, recent)[0]
 
 
 def soft_bounds(sizes: list[UpdateSize], policy: RobustPolicy) -> dict[int, float]:
     """Index -> the L2 norm to clip an update to, for updates over factor x the round's others' median rms
     (those `outliers` let pass because recent rounds' updates were as large): factor x that median in rms."""
+    return screen_norms(sizes, policy)[1]
+
+
+def screen_norms(
+    sizes: list[UpdateSize], policy: RobustPolicy, recent: float | None = None
+) -> tuple[dict[int, str], dict[int, float]]:
+    """`outliers` and `soft_bounds` together, each update's reference median worked out once (the coordinator
+    needs both every round). A bound is given for refused updates too; the caller skips those."""
+    refused: dict[int, str] = {}
     bounds: dict[int, float] = {}
-    rms = [size.rms for size in sizes]
-    for i, (size, typical) in enumerate(zip(sizes, _others_median(rms), strict=True)):
-        if typical is not None and math.isfinite(size.rms) and size.rms > policy.update_norm_factor * typical:
-            bounds[i] = policy.update_norm_factor * typical * math.sqrt(max(size.elements, 1))
-    return bounds
+    factor = policy.update_norm_factor
+    for i, (size, typical) in enumerate(zip(sizes, _others_median([s.rms for s in sizes]), strict=True)):
+        mine = size.rms
+        if typical is None:
+            continue
+        reference = max(typical, recent or 0.0)
+        if mine > factor * max(reference, 1e-12):
+            against = f"the round's median {typical:.3g}"
+            if reference > typical:
+                against += f" and the last rounds' largest {reference:.3g}"
+            refused[i] = f"update rms {mine:.3g} over {factor:g}x {against}"
+        if math.isfinite(mine) and mine > factor * typical:
+            bounds[i] = factor * typical * math.sqrt(max(size.elements, 1))
+    return refused, bounds
 
 
 def clip_update(task: Task, result: Result, norm: float, bound: float) -> Result:
@@ -355,11 +368,10 @@ def clip_update(task: Task, result: Result, norm: float, bound: float) -> Result
 def largest_magnitude(state: dict[str, torch.Tensor]) -> float:
     """max |w| over the floating tensors of a model state (inf when any value is non-finite).
 
-    One flattening C++ call and one min/max pass: a fraction of a per-tensor inf-norm's cost."""
-    values = [value for value in state.values() if value.is_floating_point() and value.numel()]
+    One flattening C++ call and one inf-norm pass: a fraction of a per-tensor inf-norm's cost."""
+    values = [value for value in state.values() if value.is_floating_point()]
     if not values:
         return 0.0
     flat = _flatten_dense_tensors(values) if len(values) > 1 else values[0]
-    low, high = torch.aminmax(flat)  # NaN anywhere makes both NaN
-    worst = max(-float(low), float(high))
+    worst = float(torch.linalg.vector_norm(flat, math.inf))  # max |w|; NaN anywhere makes it NaN
     return worst if math.isfinite(worst) else math.inf

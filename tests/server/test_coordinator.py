@@ -238,3 +238,29 @@ def test_the_screenings_look_back_is_recorded_and_restored_on_resume(make_ctx, t
     resumed = coordinator(make_ctx, varied, tmp=tmp_path, checkpoint_every=1, rounds=3)
     assert resumed.resume() == 2
     assert list(resumed._recent_rms) == [line["update_rms"] for line in lines[:2]]
+
+
+def test_packed_results_are_measured_at_the_round_end_and_a_non_finite_update_is_refused_there(
+    make_ctx,
+) -> None:
+    """Packed results (as the wire decoder and the trainer make them) have their updates measured together when
+    the round closes: an update whose norm overflows float32 (finite values of 1e30) is refused there, counted
+    and named, the device counts as non-finite, and the others are aggregated as without it."""
+    from nestling.packed import pack, packing
+
+    def respond(tasks: list[Task]) -> list[Result]:
+        assert all(packing(task.weights) is not None for task in tasks)  # `extract` packs every task
+        a, b, c = tasks
+        results = [result_for(a, 1e30), result_for(b, 2.0), result_for(c, 3.0)]
+        for result in results:
+            result.weights = pack(result.weights)
+        return results
+
+    coord = coordinator(make_ctx, respond, clients=3, fraction=1.0)
+    record = coord.run_round(0)
+    assert record.accepted == 2 and record.aggregated
+    assert {k: v for k, v in record.counters.items() if v} == {"rejected_update_norm": 1}
+    assert coord._non_finite == {"dev-00000"}
+    assert not coord._refused_tasks  # not refused on arrival (that path records the task for the quorum)
+    state = coord.strategy.global_state
+    assert all(torch.allclose(v, torch.full_like(v, 2.5)) for v in state.values() if v.is_floating_point())

@@ -1,17 +1,20 @@
-"""Flat updates: the stand-alone vector and the workspace's reused rows hold the same numbers, rows come back
-round after round, a refused result's row is lent again, and the direction screen reads the workspace's matrix
-exactly as it reads separate vectors."""
+"""Flat updates: the stand-alone vector and the workspace's reused rows hold the same numbers (packed results or
+not), rows come back round after round, a refused result's row is lent again, and the direction screen reads the
+workspace's matrix exactly as it reads separate vectors."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from nestling.errors import SpecError
 from nestling.messages import Result, Task
-from nestling.server.flat_updates import UpdateWorkspace, flat_update
+from nestling.packed import pack
+from nestling.server.flat_updates import FlatUpdate, UpdateWorkspace, flat_update
+from nestling.server.running_statistics import measure
 from nestling.server.screening import GlobalLayout, direction_cosines
 
 SHAPES = {"conv.weight": (8, 4, 3, 3), "conv.bias": (8,), "bn.running_mean": (8,), "fc.weight": (10, 8)}
@@ -167,3 +170,68 @@ def test_running_statistics_stay_out_of_the_update_and_travel_beside_it() -> Non
             t is result.weights[k]
             for k, t in zip(update.statistics.keys, update.statistics.tensors, strict=True)
         )
+
+
+def _packed_pair(seed: int, scale: float = 0.1) -> tuple[Task, Result]:
+    task = _task()
+    result = _result(task, seed, scale)
+    return replace(task, weights=pack(task.weights)), replace(result, weights=pack(result.weights))
+
+
+def _by_key(update: FlatUpdate) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for key, shape in zip(update.keys, update.shapes, strict=True):
+        count = math.prod(shape)
+        out[key] = update.vector[offset : offset + count].view(shape)
+        offset += count
+    return out
+
+
+def test_a_packed_result_gives_the_same_update_as_the_per_tensor_path() -> None:
+    """Packed (one subtraction of two buffers, keys in the buffer's order) or not: the same update per key, the
+    same norm to float32 rounding, the same statistics."""
+    task, result = _packed_pair(0)
+    plain_task = replace(task, weights=dict(task.weights))
+    plain_result = replace(result, weights=dict(result.weights))
+    packed, plain = flat_update(task, result), flat_update(plain_task, plain_result)
+    assert packed.statistics.flat is not None and plain.statistics.flat is None  # the two paths were taken
+    assert set(packed.keys) == set(plain.keys)
+    assert all(torch.equal(_by_key(packed)[k], _by_key(plain)[k]) for k in plain.keys)
+    assert packed.size.norm == pytest.approx(plain.size.norm, rel=1e-6)
+    assert packed.size.elements == plain.size.elements
+    assert measure([packed.statistics])[0] == measure([plain.statistics])[0]
+
+
+def test_a_round_of_packed_results_is_measured_together_as_one_by_one() -> None:
+    """`flat_updates` writes a round's packed updates with one stack, one subtraction and one norm per layout:
+    the same rows as `flat_update` one at a time, also when some rows were given back (scattered) and when
+    results of other layouts and unpacked ones are mixed in."""
+    pairs = [_packed_pair(seed) for seed in range(5)]
+    alone = [flat_update(task, result) for task, result in pairs]
+    workspace = UpdateWorkspace()
+    workspace.new_round(5)
+    together = workspace.flat_updates(pairs)
+    for one, other in zip(together, alone, strict=True):
+        assert torch.equal(one.vector, other.vector) and one.keys == other.keys
+        assert one.size.norm == pytest.approx(other.size.norm, rel=1e-6)
+    stacked = workspace.stacked(together)
+    assert stacked is not None and stacked[1] == [0, 1, 2, 3, 4]  # consecutive rows of one matrix
+    workspace.new_round(5)
+    first = workspace.flat_updates(pairs[:3])
+    workspace.release(first[1])  # row 1 is free again: the next ones are not consecutive
+    plain_task = _task()
+    mixed = [pairs[3], (plain_task, _result(plain_task, 9)), pairs[4]]
+    later = workspace.flat_updates(mixed)
+    assert torch.equal(later[0].vector, alone[3].vector) and torch.equal(later[2].vector, alone[4].vector)
+    assert torch.equal(later[1].vector, flat_update(*mixed[1]).vector)
+
+
+def test_a_packed_result_whose_mapping_was_changed_is_read_per_tensor() -> None:
+    """The packing is dropped on any change to the mapping, so the screen never reads a stale buffer."""
+    task, result = _packed_pair(0)
+    result.weights["fc.weight"] = result.weights["fc.weight"] + 100.0  # a changed tensor, not in the buffer
+    workspace = UpdateWorkspace()
+    workspace.new_round(1)
+    assert not workspace.packed(task, result)
+    update = workspace.flat_update(task, result)
+    assert float(_by_key(update)["fc.weight"].mean()) > 99.0
