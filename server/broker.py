@@ -78,9 +78,12 @@ class EmbeddedBroker:
             raise ConfigError("embedded broker already started")
         # amqtt's per-session state machine (the `transitions` package) logs every state change at INFO: noise
         # for an operator at --log-level INFO. Left alone when someone set that logger's level on purpose.
-        chatter = logging.getLogger("transitions")
-        if chatter.level == logging.NOTSET:
-            chatter.setLevel(logging.WARNING)
+        # amqtt's broker logs each connection's listener accounting at INFO ("Listener 'default': 0/∞
+        # connections acquired"): quieted the same way.
+        for name in ("transitions", "amqtt.broker"):
+            chatter = logging.getLogger(name)
+            if chatter.level == logging.NOTSET:
+                chatter.setLevel(logging.WARNING)
         attempts = 5 if self.port == 0 else 1  # a picked port can be taken before we bind it
         last_error: BaseException | None = None
         for _ in range(attempts):

@@ -3,7 +3,8 @@ and fabricated client results shaped like a task's slice."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +13,20 @@ import torch
 from nestling.messages import Result, Task
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A CLI under test configures the root logger (level INFO, a stderr handler) for the process: undo that, so
+    later tests' libraries (amqtt's per-connection INFO lines) do not print through it."""
+    from nestling.log_setup import CurrentStderrHandler
+
+    root = logging.getLogger()
+    level, ours = root.level, [h for h in root.handlers if isinstance(h, CurrentStderrHandler)]
+    yield
+    root.setLevel(level)
+    for handler in [h for h in root.handlers if isinstance(h, CurrentStderrHandler) and h not in ours]:
+        root.removeHandler(handler)
 
 
 @pytest.fixture
