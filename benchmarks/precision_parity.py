@@ -177,9 +177,19 @@ def run_or_reuse(cfg: Any, run_dir: Path) -> dict[str, Any]:
     summary_file = run_dir / "summary.json"
     if summary_file.is_file():
         summary: dict[str, Any] = json.loads(summary_file.read_text())
-        if summary.get("config") == json.loads(json.dumps(cfg.to_dict())):
+        if _what_it_computes(summary.get("config")) == _what_it_computes(
+            json.loads(json.dumps(cfg.to_dict()))
+        ):
             return summary
     return run_simulation(cfg, run_dir)
+
+
+def _what_it_computes(config: Any) -> Any:
+    """A run's config without its worker count: every backend and worker count train the same weights
+    (tests/simulator), so a finished run is reused whatever number of workers ran it."""
+    if not isinstance(config, dict) or not isinstance(config.get("run"), dict):
+        return config
+    return {**config, "run": {k: v for k, v in config["run"].items() if k != "workers"}}
 
 
 def outcome(summary: dict[str, Any], run_dir: Path) -> Outcome:
