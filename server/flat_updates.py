@@ -100,6 +100,7 @@ class _PackedPair(NamedTuple):
     uploaded: torch.Tensor  # the result's trained tensors, in `layout` order
     sent: torch.Tensor  # the task's
     statistics: torch.Tensor  # the result's running statistics
+    sent_statistics: torch.Tensor  # the task's
     layout: PackLayout
 
 
@@ -111,9 +112,14 @@ def _packed_pair(task: Task, result: Result) -> _PackedPair | None:
     layout = uploaded.layout
     if layout is None or layout is not sent.layout or not layout.complete:
         return None
-    if uploaded.trained is None or sent.trained is None or uploaded.statistics is None:
+    if (
+        uploaded.trained is None
+        or sent.trained is None
+        or uploaded.statistics is None
+        or sent.statistics is None
+    ):
         return None
-    return _PackedPair(uploaded.trained, sent.trained, uploaded.statistics, layout)
+    return _PackedPair(uploaded.trained, sent.trained, uploaded.statistics, sent.statistics, layout)
 
 
 def _packed_statistics(pair: _PackedPair) -> UploadedStatistics:
@@ -121,7 +127,11 @@ def _packed_statistics(pair: _PackedPair) -> UploadedStatistics:
     if not layout.statistic_keys:
         return NO_STATISTICS
     return UploadedStatistics(
-        layout.statistic_keys, flat=pair.statistics, shapes=layout.statistic_shapes, layout=layout
+        layout.statistic_keys,
+        flat=pair.statistics,
+        shapes=layout.statistic_shapes,
+        layout=layout,
+        sent_flat=pair.sent_statistics,
     )
 
 
@@ -150,7 +160,11 @@ def flat_update(task: Task, result: Result) -> FlatUpdate:
         )
     sent_weights = task.weights
     keys, statistic_keys = split_keys(result.weights, sent_weights)
-    statistics = UploadedStatistics(statistic_keys, tuple(result.weights[k] for k in statistic_keys))
+    statistics = UploadedStatistics(
+        statistic_keys,
+        tuple(result.weights[k] for k in statistic_keys),
+        sent=tuple(sent_weights[k] for k in statistic_keys),
+    )
     if not keys:
         return replace(EMPTY, statistics=statistics)
     trained = [result.weights[k] for k in keys]
@@ -223,11 +237,15 @@ class _KeyPlan:
         self.pick_statistics = _picker(statistic_keys)
         self.pools: dict[Shapes, _RowPool] = {}
 
-    def statistics(self, weights: dict[str, torch.Tensor]) -> UploadedStatistics:
-        """The result's running statistics (measured with the round's, server/running_statistics.py)."""
+    def statistics(
+        self, weights: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]
+    ) -> UploadedStatistics:
+        """The result's running statistics and its task's (measured with the round's, server/running_statistics.py)."""
         if not self.statistic_keys:
             return NO_STATISTICS
-        return UploadedStatistics(self.statistic_keys, self.pick_statistics(weights))
+        return UploadedStatistics(
+            self.statistic_keys, self.pick_statistics(weights), sent=self.pick_statistics(sent)
+        )
 
 
 def _picker(keys: tuple[str, ...]) -> Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]:
@@ -279,7 +297,7 @@ class UpdateWorkspace:
         plan = self._plans.get(order)
         if plan is None:
             plan = self._plans[order] = _KeyPlan(*split_keys(weights, sent_weights))
-        statistics = plan.statistics(weights)
+        statistics = plan.statistics(weights, sent_weights)
         if not plan.keys:
             return replace(EMPTY, statistics=statistics)
         trained, sent = plan.pick(weights), plan.pick(sent_weights)

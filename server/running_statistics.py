@@ -18,6 +18,7 @@ import math
 from bisect import bisect_left
 from dataclasses import dataclass
 from functools import lru_cache
+from statistics import median
 
 import numpy as np
 import torch
@@ -41,6 +42,10 @@ class UploadedStatistics:
     flat: torch.Tensor | None = None
     shapes: Shapes | None = None
     layout: object = None  # an interned object standing for (keys, shapes): grouping by it hashes nothing big
+    # What the task sent for the same keys (tensors, or one vector beside `flat`): a tensor the board left as sent
+    # (FjORD's statistics of widths it did not train) is no evidence about the round's values. Empty: unknown.
+    sent: tuple[torch.Tensor, ...] = ()
+    sent_flat: torch.Tensor | None = None
 
     def tensor_list(self) -> tuple[torch.Tensor, ...]:
         """Each statistics tensor (views of `flat` for a packed result)."""
@@ -70,6 +75,15 @@ class MeasuredStatistics:
     keys: tuple[str, ...]
     rms: tuple[float, ...]
     problem: str | None = None
+    changed: tuple[bool, ...] | None = (
+        None  # which tensors differ from what the task sent (None: all, unknown)
+    )
+
+    def compared(self) -> list[tuple[str, float]]:
+        """(key, rms) of the tensors the round's comparison judges: those the board changed."""
+        if self.changed is None:
+            return list(zip(self.keys, self.rms, strict=True))
+        return [(k, v) for k, v, c in zip(self.keys, self.rms, self.changed, strict=True) if c]
 
 
 class _Layout:
@@ -127,23 +141,49 @@ def measure(statistics: list[UploadedStatistics]) -> list[MeasuredStatistics]:
             sums = np.zeros((len(members), len(keys)))
             sums[:, layout.nonempty] = np.add.reduceat(squares, layout.starts, axis=1)
         rms_rows = (np.sqrt(sums) / layout.roots).tolist()
+        changed = _changed(statistics, members, values, layout)
         lowest = (
             values[:, layout.variances].min(axis=1).tolist()
             if layout.variances is not None
             else [0.0] * len(members)
         )
-        for index, rms, low in zip(members, rms_rows, lowest, strict=True):
+        for row, (index, rms, low) in enumerate(zip(members, rms_rows, lowest, strict=True)):
             problem = None
             if not all(value < FLOAT32_NORM_LIMIT for value in rms):  # False for NaN too
                 problem = _range_problem(keys, rms)
             elif low < 0:
                 problem = _negative_variance(keys, statistics[index].tensor_list())
-            measured[index] = MeasuredStatistics(keys, tuple(rms), problem)
+            measured[index] = MeasuredStatistics(
+                keys, tuple(rms), problem, None if changed is None else tuple(changed[row])
+            )
     return measured
 
 
 def _parts(uploaded: UploadedStatistics) -> tuple[torch.Tensor, ...]:
     return (uploaded.flat,) if uploaded.flat is not None else uploaded.tensors
+
+
+def _sent_parts(uploaded: UploadedStatistics) -> tuple[torch.Tensor, ...]:
+    return (uploaded.sent_flat,) if uploaded.sent_flat is not None else uploaded.sent
+
+
+def _changed(
+    statistics: list[UploadedStatistics], members: list[int], values: np.ndarray, layout: _Layout
+) -> list[list[bool]] | None:
+    """Per member and tensor: does the upload differ from what the task sent? None when a member's task values
+    are unknown (every tensor is then judged)."""
+    if not all(statistics[i].sent or statistics[i].sent_flat is not None for i in members):
+        return None
+    parts = [t for i in members for t in _sent_parts(statistics[i])]
+    sent = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0]
+    if sent.numel() != values.size:
+        return None
+    if sent.dtype not in (torch.float32, torch.float64):
+        sent = sent.float()
+    differences = values != sent.numpy().reshape(values.shape)
+    counts = np.zeros((len(members), len(layout.roots)), dtype=np.int64)
+    counts[:, layout.nonempty] = np.add.reduceat(differences, layout.starts, axis=1)
+    return (counts > 0).tolist()
 
 
 def _range_problem(keys: tuple[str, ...], rms: list[float]) -> str:
@@ -162,69 +202,83 @@ def _negative_variance(keys: tuple[str, ...], tensors: tuple[torch.Tensor, ...])
     return f"negative BN running variance in {worst}"
 
 
+REFERENCE_QUANTILE = (
+    0.75  # the share of the others an outsized value is measured against (see `quantile_without`)
+)
+
+
 def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> dict[int, str]:
     """Index -> reason for results whose statistics are far larger than the round's others' (results with a
     problem of their own are left out of the comparison).
 
     Compared tensor by tensor (the same key across results; nested submodels hold prefixes of it, whose rms
     differs from the whole tensor's by about the square root of the width ratio at most): a tensor's rms over
-    factor x the median of the others' rms for that key refuses the result. A key only one result carries is
-    not judged (nothing to compare with); the divergence guard still stands behind it."""
-    judged = [index for index, stats in enumerate(measured) if stats.problem is None]
-    if len(judged) >= 2 and all(measured[i].keys == measured[judged[0]].keys for i in judged):
-        return _one_layout_outliers(measured, judged, factor)
-    return _by_key_outliers(measured, factor)
-
-
-def _by_key_outliers(measured: list[MeasuredStatistics], factor: float) -> dict[int, str]:
-    """`statistics_outliers` for results of different layouts: key by key over the results that carry it."""
+    factor x the upper quartile of the others' rms for that key refuses the result (the update screen's rule,
+    server/screening.py). Only tensors a board changed take part: FjORD's boards send the statistics of widths
+    they did not train as their task had them (0 and 1 until some board trains that width), which would set the
+    reference at 0. A running mean is measured in its layer's units: its reference is at least the square root
+    of the round's median rms of the matching running variance (honest means sit within a few standard
+    deviations of 0, and near 0 their ratios mean nothing: FjORD's honest means differed 10x). A key only one
+    result changed is not judged (nothing to compare with); the divergence guard still stands behind it."""
     by_key: dict[str, list[tuple[int, float]]] = {}
+    every: dict[str, list[float]] = {}  # every judged result's rms per key, changed or not (for the floors)
     for index, stats in enumerate(measured):
-        if stats.problem is None:
-            for key, value in zip(stats.keys, stats.rms, strict=True):
-                by_key.setdefault(key, []).append((index, value))
+        if stats.problem is not None:
+            continue
+        for key, value in zip(stats.keys, stats.rms, strict=True):
+            every.setdefault(key, []).append(value)
+        for key, value in stats.compared():
+            by_key.setdefault(key, []).append((index, value))
     worst: dict[int, tuple[float, str]] = {}
     for key, values in by_key.items():
         if len(values) < 2:
             continue
+        variance_key = _variance_of(key)
+        variances = every.get(variance_key) if variance_key is not None else None
+        floor = math.sqrt(median(variances)) if variances else 0.0
         ordered = sorted(v for _, v in values)
         for index, mine in values:
-            if mine <= factor * ordered[0]:  # within factor of every other: no median of others can refuse it
+            if mine <= factor * max(ordered[0], floor):  # within factor of every other: cannot be refused
                 continue
-            typical = median_without(ordered, bisect_left(ordered, mine))
+            typical = max(quantile_without(ordered, bisect_left(ordered, mine), REFERENCE_QUANTILE), floor)
             ratio = mine / max(typical, 1e-12)
             if ratio > factor and ratio > worst.get(index, (0.0, ""))[0]:
                 worst[index] = (
                     ratio,
-                    f"BN running statistic {key} rms {mine:.3g} over {factor:g}x the round's median {typical:.3g}",
+                    f"BN running statistic {key} rms {mine:.3g} over {factor:g}x the round's reference {typical:.3g}",
                 )
     return {index: reason for index, (_, reason) in sorted(worst.items())}
 
 
-def _one_layout_outliers(
-    measured: list[MeasuredStatistics], judged: list[int], factor: float
-) -> dict[int, str]:
-    """`statistics_outliers` when every judged result carries the same keys (the usual round): column by column
-    of the results' rms, only values over factor x their column's smallest looked at further."""
-    keys = measured[judged[0]].keys
-    worst: dict[int, tuple[float, str]] = {}
-    for key, column in zip(keys, zip(*(measured[i].rms for i in judged), strict=True), strict=True):
-        ordered = sorted(column)
-        low = factor * ordered[0]
-        for row in [row for row, mine in enumerate(column) if mine > low]:
-            mine = column[row]
-            typical = median_without(ordered, bisect_left(ordered, mine))
-            ratio = mine / max(typical, 1e-12)
-            if ratio > factor and ratio > worst.get(row, (0.0, ""))[0]:
-                worst[row] = (
-                    ratio,
-                    f"BN running statistic {key} rms {mine:.3g} over {factor:g}x the round's median {typical:.3g}",
-                )
-    return {judged[row]: reason for row, (_, reason) in sorted(worst.items())}
+def _variance_of(key: str) -> str | None:
+    """The running variance beside a running mean (`x.running_mean` -> `x.running_var`, per width alike)."""
+    head, _, name = key.rpartition(".")
+    if name == "running_mean" or name.startswith("running_mean_w"):
+        return f"{head}.{name.replace('running_mean', 'running_var', 1)}"
+    return None
+
+
+def quantile_without(ordered: list[float], position: int, q: float) -> float:
+    """The q-quantile (linear interpolation) of a sorted list without its element at `position`, in O(1).
+
+    The screens measure an outsized value against the others' upper quartile, not their median: honest rounds
+    can be bimodal (DynamicFL's capacity tiers: updates of 3e-5 and 2.6e-3 rms in one round of four boards), and
+    the median then sits in the lower mode. A single attacker among four or more results never sets the upper
+    quartile of the others alone."""
+    count = len(ordered) - 1
+
+    def other(j: int) -> float:
+        return ordered[j] if j < position else ordered[j + 1]
+
+    at = q * (count - 1)
+    low = math.floor(at)
+    if low >= count - 1:
+        return other(count - 1)
+    return other(low) + (at - low) * (other(low + 1) - other(low))
 
 
 def median_without(ordered: list[float], position: int) -> float:
-    """The median of a sorted list without its element at `position`, in O(1)."""
+    """The median of a sorted list without its element at `position`, in O(1) (`quantile_without` at 0.5)."""
     count = len(ordered) - 1
 
     def other(j: int) -> float:

@@ -2,11 +2,11 @@
 
 A result's update is result − task weights over its floating tensors. Screening refuses (reason
 `update_norm`) an update that is non-finite, larger than an absolute bound, or far larger than the
-other results of the same round (factor × their median norm), and (reason `update_direction`) an update
+other results of the same round (factor × their upper quartile, in rms), and (reason `update_direction`) an update
 that points against the round's consensus: its cosine with the mean of the other updates, compared on the
 coordinates both touch (nested submodels are prefixes of the global tensors), below `min_update_cosine`. Clipping scales an update down to a
 bound (the DP-FedAvg style L2 bound) instead of refusing it. The round-relative rule also looks back a few
-rounds (`outliers`): an update between factor x the round's median and factor x the largest median of the last
+rounds (`outliers`): an update between factor x the round's reference and factor x the largest median of the last
 RECENT_ROUNDS rounds is kept, clipped to the round's bound, so it weighs no more than the largest update the
 round-relative rule alone would have let through. Both act before aggregation and only
 read honest results, so an honest run whose updates pass is aggregated bit for bit as before.
@@ -14,8 +14,8 @@ read honest results, so an honest run whose updates pass is aggregated bit for b
 BN running statistics are measured from data, not trained: a submodel no board has trained yet has them leave
 their initial values on its first update, a change 10-100x the round's trained updates, so they are not part of
 the update's norm or direction. They are judged by their values instead: non-finite values and negative
-variances are refused, and so is a statistics tensor whose rms is over factor x the round's others' median for
-the same tensor (a board inflating a running variance to wreck every model evaluated with it).
+variances are refused, and so is a statistics tensor whose rms is over factor x the round's others' upper quartile
+for the same tensor (a board inflating a running variance to wreck every model evaluated with it).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from nestling.server.flat_updates import (  # re-exported: screening's callers r
     flat_update,
     update_size,
 )
-from nestling.server.running_statistics import median_without
+from nestling.server.running_statistics import REFERENCE_QUANTILE, quantile_without
 
 __all__ = [
     "AGGREGATIONS",
@@ -72,7 +72,7 @@ class RobustPolicy:
     screen_updates: bool = True
     max_update_norm: float | None = None  # absolute L2 bound on an update; None: only relative screening
     update_norm_factor: float = (
-        10.0  # refuse an update this many times larger than the round's others (median)
+        10.0  # refuse an update this many times larger than the round's others (upper quartile)
     )
     clip_update_norm: float | None = None  # scale updates down to this L2 norm before aggregation
     aggregation: str = "mean"  # mean (each method's own), trimmed_mean or median (coordinate-wise)
@@ -257,14 +257,17 @@ DIRECTION_SPREAD = (
     6.0  # an update is off-consensus only this many median absolute deviations below the median
 )
 CONSENSUS = 0.2  # below this median cosine a round has no common direction to defend
+# The spread is at least this: with a few boards whose cosines happen to agree closely (three honest HeteroFL
+# boards within 0.02 of +0.265), the deviations' median is ~0 and an honest board at -0.03 stood "6 deviations" out.
+MIN_SPREAD = 0.1
 
 
 def direction_outliers(cosines: list[float | None], policy: RobustPolicy) -> dict[int, str]:
     """Index -> reason for updates pointing against the others' mean.
 
     An update is refused when its cosine is below `min_update_cosine` AND an outlier among the round's cosines
-    (more than DIRECTION_SPREAD median absolute deviations below their median), in a round whose median cosine
-    is at least CONSENSUS. Measured on honest Dirichlet(0.1) and (0.5) digits runs (docs/benchmarks.md): FedAvg,
+    (more than DIRECTION_SPREAD median absolute deviations, at least MIN_SPREAD each, below their median), in a
+    round whose median cosine is at least CONSENSUS. Measured on honest Dirichlet(0.1) and (0.5) digits runs (docs/benchmarks.md): FedAvg,
     FjORD, NeFL and DepthFL updates agree (cosines with the others' mean above +0.21, medians +0.75..+0.92), so
     a sign-flipped update stands far out; HeteroFL's and ScaleFL's honest updates do not (medians -0.17..+0.03,
     down to -0.49), so their rounds have no consensus and nothing is refused on direction there. Needs at least
@@ -276,7 +279,7 @@ def direction_outliers(cosines: list[float | None], policy: RobustPolicy) -> dic
     centre = median(judged)
     if centre < CONSENSUS:
         return {}
-    spread = median(abs(c - centre) for c in judged)
+    spread = max(median(abs(c - centre) for c in judged), MIN_SPREAD)
     cut = min(bound, centre - DIRECTION_SPREAD * spread)
     refused = {
         i: f"update cosine {c:+.3f} with the other updates' mean below {cut:+.3f} (round median {centre:+.3f})"
@@ -298,18 +301,24 @@ def absolute_reason(size: UpdateSize, policy: RobustPolicy) -> str | None:
 RECENT_ROUNDS = 10  # rounds whose largest median update size `outliers` also measures against (see there)
 
 
-def _others_median(rms: list[float]) -> list[float | None]:
-    """Each update's reference: the median rms of the round's other finite updates (None: no other)."""
+def _others_reference(rms: list[float]) -> list[float | None]:
+    """Each update's reference: the upper quartile (REFERENCE_QUANTILE) of the rms of the round's other finite
+    updates (None: no other). Not their median: honest rounds can be bimodal (DynamicFL's capacity tiers sent
+    3e-5 and 2.6e-3 in one round of four boards, and the median sat in the lower mode)."""
     finite = sorted(r for r in rms if math.isfinite(r))
     if len(finite) < 2:
-        return [None if math.isfinite(r) or not finite else median(finite) for r in rms]
-    whole = median(finite)
-    return [median_without(finite, bisect_left(finite, r)) if math.isfinite(r) else whole for r in rms]
+        return [None if math.isfinite(r) or not finite else finite[-1] for r in rms]
+    whole = quantile_without([*finite, math.inf], len(finite), REFERENCE_QUANTILE)  # all finite ones
+    return [
+        quantile_without(finite, bisect_left(finite, r), REFERENCE_QUANTILE) if math.isfinite(r) else whole
+        for r in rms
+    ]
 
 
 def outliers(sizes: list[UpdateSize], policy: RobustPolicy, recent: float | None = None) -> dict[int, str]:
-    """Index -> reason for every update far outside the round: rms over factor x the others' median rms, and
-    over factor x `recent` (the largest round median update of the last RECENT_ROUNDS rounds) when that is larger.
+    """Index -> reason for every update far outside the round: rms over factor x the upper quartile of the others'
+    rms, and over factor x `recent` (the largest round median update of the last RECENT_ROUNDS rounds) when that is
+    larger.
 
     Late in a run the boards' updates on data their submodel has learned shrink 10-30x (ResNet-20 NeFL on
     digits: round medians 0.02 at round 3, 0.0006 at round 8), while a board whose data is new to its submodel
@@ -320,26 +329,26 @@ def outliers(sizes: list[UpdateSize], policy: RobustPolicy, recent: float | None
 
 
 def soft_bounds(sizes: list[UpdateSize], policy: RobustPolicy) -> dict[int, float]:
-    """Index -> the L2 norm to clip an update to, for updates over factor x the round's others' median rms
-    (those `outliers` let pass because recent rounds' updates were as large): factor x that median in rms."""
+    """Index -> the L2 norm to clip an update to, for updates over factor x the round's others' reference rms
+    (those `outliers` let pass because recent rounds' updates were as large): factor x that reference in rms."""
     return screen_norms(sizes, policy)[1]
 
 
 def screen_norms(
     sizes: list[UpdateSize], policy: RobustPolicy, recent: float | None = None
 ) -> tuple[dict[int, str], dict[int, float]]:
-    """`outliers` and `soft_bounds` together, each update's reference median worked out once (the coordinator
+    """`outliers` and `soft_bounds` together, each update's reference worked out once (the coordinator
     needs both every round). A bound is given for refused updates too; the caller skips those."""
     refused: dict[int, str] = {}
     bounds: dict[int, float] = {}
     factor = policy.update_norm_factor
-    for i, (size, typical) in enumerate(zip(sizes, _others_median([s.rms for s in sizes]), strict=True)):
+    for i, (size, typical) in enumerate(zip(sizes, _others_reference([s.rms for s in sizes]), strict=True)):
         mine = size.rms
         if typical is None:
             continue
         reference = max(typical, recent or 0.0)
         if mine > factor * max(reference, 1e-12):
-            against = f"the round's median {typical:.3g}"
+            against = f"the round's others' upper quartile {typical:.3g}"
             if reference > typical:
                 against += f" and the last rounds' largest {reference:.3g}"
             refused[i] = f"update rms {mine:.3g} over {factor:g}x {against}"

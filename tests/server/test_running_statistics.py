@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from statistics import median
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from nestling.server.running_statistics import (
     UploadedStatistics,
     measure,
     median_without,
+    quantile_without,
     statistics_outliers,
 )
 from nestling.server.screening import RobustPolicy, outliers
@@ -77,7 +79,9 @@ def test_inflated_running_statistics_are_refused_tensor_by_tensor() -> None:
     attacker = _measured({"bn1.running_var": 1.0, "bn2.running_var": 1900.0})
     refused = statistics_outliers([*honest, attacker], 10.0)
     assert list(refused) == [3]
-    assert "bn2.running_var rms 1.9e+03 over 10x the round's median 2" in refused[3]
+    assert (
+        "bn2.running_var rms 1.9e+03 over 10x the round's reference 2.2" in refused[3]
+    )  # others' upper quartile
 
 
 def test_the_median_without_one_element_equals_the_median_of_the_rest() -> None:
@@ -153,23 +157,58 @@ def test_the_first_update_of_a_never_trained_submodel_is_not_refused() -> None:
     assert statistics_outliers(measured, RobustPolicy().update_norm_factor) == {}
 
 
-@pytest.mark.parametrize("results", [2, 3, 4, 7, 10])
-def test_the_one_layout_columns_refuse_exactly_what_the_key_by_key_rule_refuses(results: int) -> None:
-    """The usual round (every result with the same keys) is judged column by column; ties, outliers on several keys
-    and in several rows included, it must agree with the general rule reason for reason."""
-    from nestling.server.running_statistics import _by_key_outliers
+@pytest.mark.parametrize("q", [0.5, 0.75])
+def test_the_quantile_without_one_element_equals_the_quantile_of_the_rest(q: float) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for count in range(2, 12):
+        for _ in range(20):
+            ordered = sorted(torch.rand(count, generator=generator).tolist())
+            for position in range(count):
+                rest = ordered[:position] + ordered[position + 1 :]
+                assert quantile_without(ordered, position, q) == pytest.approx(float(np.quantile(rest, q)))
 
-    generator = torch.Generator().manual_seed(results)
-    keys = ("a.running_mean", "a.running_var", "b.running_mean")
-    for trial in range(40):
-        rms = torch.rand(results, len(keys), generator=generator).double() + 0.1
-        rms[trial % results, trial % len(keys)] *= 50.0  # an outlier
-        if trial % 3 == 0:
-            rms[(trial + 1) % results] = rms[trial % results]  # ties, even between two outliers
-        if trial % 5 == 0:
-            rms[:, 1] = 0.5  # a column of equal values
-        measured = [MeasuredStatistics(keys, tuple(row.tolist())) for row in rms]
-        assert statistics_outliers(measured, 10.0) == _by_key_outliers(measured, 10.0)
+
+def test_statistics_a_board_left_as_sent_are_not_compared() -> None:
+    """FjORD: each board trains one width per step and sends the other widths' statistics as its task had them
+    (0 / 1 until some board trains that width). Those unchanged tensors must not set the reference: the board
+    that did train width 3 was refused ('rms 0.422 over 10x the round's median 0') every round."""
+
+    def board(trained_width: int, mean: float) -> UploadedStatistics:
+        sent = {f"bn.running_mean_w{j}": torch.zeros(4) for j in range(4)}
+        sent.update({f"bn.running_var_w{j}": torch.ones(4) for j in range(4)})
+        uploaded_values = dict(sent)
+        uploaded_values[f"bn.running_mean_w{trained_width}"] = torch.full((4,), mean)
+        uploaded_values[f"bn.running_var_w{trained_width}"] = torch.full((4,), 1.3)
+        keys = tuple(sent)
+        return UploadedStatistics(
+            keys, tuple(uploaded_values[k] for k in keys), sent=tuple(sent[k] for k in keys)
+        )
+
+    boards = [board(0, 0.05), board(1, 0.04), board(2, 0.06), board(3, 0.422), board(0, 0.03)]
+    measured = measure(boards)
+    assert measured[3].changed == tuple(k.endswith("_w3") for k in measured[3].keys)
+    assert statistics_outliers(measured, 10.0) == {}
+    inflated = board(0, 0.04)
+    inflated = UploadedStatistics(
+        inflated.keys,
+        tuple(t * 1.0e4 if k == "bn.running_var_w0" else t for k, t in zip(inflated.keys, inflated.tensors)),
+        sent=inflated.sent,
+    )
+    refused = statistics_outliers(measure([*boards, inflated]), 10.0)
+    assert list(refused) == [5] and "bn.running_var_w0" in refused[5]
+
+
+def test_a_running_mean_is_measured_in_its_layers_standard_deviations() -> None:
+    """Honest running means sit near 0, where ratios mean nothing (0.009 against others' 0.0009 is honest); a
+    mean is refused only when it is over factor x the layer's typical standard deviation as well."""
+
+    def stats(mean: float, var: float = 1.0) -> MeasuredStatistics:
+        return _measured({"bn.running_mean": mean, "bn.running_var": var})
+
+    honest = [stats(0.0009), stats(0.0008), stats(0.0011), stats(0.0095)]
+    assert statistics_outliers(honest, 10.0) == {}
+    refused = statistics_outliers([*honest, stats(40.0)], 10.0)
+    assert list(refused) == [4] and "bn.running_mean rms 40 over 10x the round's reference 1" in refused[4]
 
 
 def test_statistics_handed_over_as_one_vector_measure_as_their_tensors() -> None:

@@ -12,6 +12,7 @@ import torch
 from benchmarks.robustness import ATTACKS
 from nestling.config import config_from_dict
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
+from nestling.server.strategies import STRATEGIES
 from nestling.simulator.run import run_simulation
 
 
@@ -36,6 +37,59 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 def test_an_honest_run_is_bit_identical_with_screening_on(tmp_path: Path) -> None:
     run_simulation(tiny(screen_updates=True, divergence_guard=True), tmp_path / "on")
     run_simulation(tiny(screen_updates=False, divergence_guard=False), tmp_path / "off")
+    on, off = final_weights(tmp_path / "on"), final_weights(tmp_path / "off")
+    assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
+
+
+# The model each method needs to run at all (FeDepth's memory budgets, ScaleFL's four exits), else tinycnn.
+MODEL_FOR = {
+    "fedepth": ("preresnet20", {"budgets": "fair"}),
+    "m-fedepth": ("preresnet20", {"budgets": "surplus"}),
+    "scalefl": ("resnet20", {}),
+}
+
+
+@pytest.mark.parametrize("method", sorted(STRATEGIES))
+def test_every_methods_honest_run_refuses_nothing_and_is_bit_identical_with_screening_on(
+    method: str, tmp_path: Path
+) -> None:
+    """Each method's own uploads (FjORD's per-width statistics left as sent for widths a board did not train,
+    FeDepth's partial uploads, FedTrans' several models, ...) pass the screens: nothing refused or clipped, and the
+    same weights as with screening off. FjORD's boards were refused every round by the statistics screen before
+    it left unchanged tensors out of the comparison."""
+    arch, options = MODEL_FOR.get(method, ("tinycnn", {}))
+
+    def config(screening: bool):
+        return config_from_dict(
+            {
+                "run": {
+                    "rounds": 2,
+                    "seed": 3,
+                    "workers": 1,
+                    "eval_every": 0,
+                    "quorum": 0.6,
+                    "screen_updates": screening,
+                    "divergence_guard": screening,
+                },
+                "data": {"dataset": "synthetic", "clients": 4, "limit_train": 96, "limit_test": 20},
+                "model": {"arch": arch},
+                "method": {"name": method, **options},
+                "train": {"fraction": 1.0, "local_steps": 2, "batch_size": 16},
+            }
+        )
+
+    run_simulation(config(True), tmp_path / "on")
+    run_simulation(config(False), tmp_path / "off")
+    records = [
+        json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines() if line
+    ]
+    acted = {
+        k: v
+        for r in records
+        for k, v in r["counters"].items()
+        if v and (k.startswith("rejected_") or k.startswith("clipped") or k == "rolled_back")
+    }
+    assert acted == {}, acted
     on, off = final_weights(tmp_path / "on"), final_weights(tmp_path / "off")
     assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
 
