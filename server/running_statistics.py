@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from statistics import median
@@ -129,19 +130,26 @@ def measure(statistics: list[UploadedStatistics]) -> list[MeasuredStatistics]:
             for index in members:
                 measured[index] = MeasuredStatistics(keys, (0.0,) * len(keys))
             continue
+        count = len(members)
+        # The task's values ride in the same pass: a tensor whose sum of squares equals what the task sent is
+        # one the board left alone (it cannot be larger than the server's own values, so it is no evidence).
+        with_sent = all(statistics[i].sent or statistics[i].sent_flat is not None for i in members)
         parts = [t for i in members for t in _parts(statistics[i])]
+        if with_sent:
+            parts += [t for i in members for t in _sent_parts(statistics[i])]
         flat = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0]  # mixed dtypes promoted
         if flat.dtype not in (torch.float32, torch.float64):
             flat = flat.float()
-        values = flat.numpy().reshape(len(members), layout.size)
-        squares = np.square(values, dtype=np.float64)  # float32 values squared without overflow
+        both = flat.numpy().reshape(-1, layout.size)
+        values = both[:count]
+        squares = np.square(both, dtype=np.float64)  # float32 values squared without overflow
         if layout.all_nonempty:
             sums = np.add.reduceat(squares, layout.starts, axis=1)
         else:
-            sums = np.zeros((len(members), len(keys)))
+            sums = np.zeros((len(both), len(keys)))
             sums[:, layout.nonempty] = np.add.reduceat(squares, layout.starts, axis=1)
-        rms_rows = (np.sqrt(sums) / layout.roots).tolist()
-        changed = _changed(statistics, members, values, layout)
+        rms_rows = (np.sqrt(sums[:count]) / layout.roots).tolist()
+        changed = (sums[:count] != sums[count:]).tolist() if with_sent and len(both) == 2 * count else None
         lowest = (
             values[:, layout.variances].min(axis=1).tolist()
             if layout.variances is not None
@@ -165,25 +173,6 @@ def _parts(uploaded: UploadedStatistics) -> tuple[torch.Tensor, ...]:
 
 def _sent_parts(uploaded: UploadedStatistics) -> tuple[torch.Tensor, ...]:
     return (uploaded.sent_flat,) if uploaded.sent_flat is not None else uploaded.sent
-
-
-def _changed(
-    statistics: list[UploadedStatistics], members: list[int], values: np.ndarray, layout: _Layout
-) -> list[list[bool]] | None:
-    """Per member and tensor: does the upload differ from what the task sent? None when a member's task values
-    are unknown (every tensor is then judged)."""
-    if not all(statistics[i].sent or statistics[i].sent_flat is not None for i in members):
-        return None
-    parts = [t for i in members for t in _sent_parts(statistics[i])]
-    sent = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0]
-    if sent.numel() != values.size:
-        return None
-    if sent.dtype not in (torch.float32, torch.float64):
-        sent = sent.float()
-    differences = values != sent.numpy().reshape(values.shape)
-    counts = np.zeros((len(members), len(layout.roots)), dtype=np.int64)
-    counts[:, layout.nonempty] = np.add.reduceat(differences, layout.starts, axis=1)
-    return (counts > 0).tolist()
 
 
 def _range_problem(keys: tuple[str, ...], rms: list[float]) -> str:
@@ -220,23 +209,22 @@ def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> di
     of the round's median rms of the matching running variance (honest means sit within a few standard
     deviations of 0, and near 0 their ratios mean nothing: FjORD's honest means differed 10x). A key only one
     result changed is not judged (nothing to compare with); the divergence guard still stands behind it."""
-    by_key: dict[str, list[tuple[int, float]]] = {}
-    every: dict[str, list[float]] = {}  # every judged result's rms per key, changed or not (for the floors)
-    for index, stats in enumerate(measured):
-        if stats.problem is not None:
-            continue
-        for key, value in zip(stats.keys, stats.rms, strict=True):
-            every.setdefault(key, []).append(value)
-        for key, value in stats.compared():
-            by_key.setdefault(key, []).append((index, value))
+    judged = [index for index, stats in enumerate(measured) if stats.problem is None]
+    if not judged:
+        return {}
+    by_key, every = _by_key(measured, judged)
     worst: dict[int, tuple[float, str]] = {}
     for key, values in by_key.items():
         if len(values) < 2:
             continue
+        ordered = sorted(v for _, v in values)
+        if (
+            ordered[-1] <= factor * ordered[0]
+        ):  # all within factor of each other (an honest round): none refused
+            continue
         variance_key = _variance_of(key)
         variances = every.get(variance_key) if variance_key is not None else None
         floor = math.sqrt(median(variances)) if variances else 0.0
-        ordered = sorted(v for _, v in values)
         for index, mine in values:
             if mine <= factor * max(ordered[0], floor):  # within factor of every other: cannot be refused
                 continue
@@ -250,6 +238,36 @@ def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> di
     return {index: reason for index, (_, reason) in sorted(worst.items())}
 
 
+def _by_key(
+    measured: list[MeasuredStatistics], judged: list[int]
+) -> tuple[dict[str, list[tuple[int, float]]], dict[str, Sequence[float]]]:
+    """Per key: (index, rms) of the judged results that changed it, and every judged result's rms (the floors)."""
+    keys = measured[judged[0]].keys
+    if all(measured[i].keys == keys for i in judged):  # the usual round: one layout, read column by column
+        columns = list(zip(*(measured[i].rms for i in judged), strict=True)) if keys else []
+        changes = [measured[i].changed for i in judged]
+        every: dict[str, Sequence[float]] = dict(zip(keys, columns, strict=True))
+        in_columns = {
+            key: [
+                (index, value)
+                for index, value, change in zip(judged, column, changes, strict=True)
+                if change is None or change[at]
+            ]
+            for at, (key, column) in enumerate(zip(keys, columns, strict=True))
+        }
+        return in_columns, every
+    by_key: dict[str, list[tuple[int, float]]] = {}
+    listed: dict[str, list[float]] = {}
+    for index in judged:
+        stats = measured[index]
+        for key, value in zip(stats.keys, stats.rms, strict=True):
+            listed.setdefault(key, []).append(value)
+        for key, value in stats.compared():
+            by_key.setdefault(key, []).append((index, value))
+    return by_key, dict(listed)
+
+
+@lru_cache(maxsize=4096)
 def _variance_of(key: str) -> str | None:
     """The running variance beside a running mean (`x.running_mean` -> `x.running_var`, per width alike)."""
     head, _, name = key.rpartition(".")
