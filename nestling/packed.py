@@ -7,10 +7,9 @@ work is one vector operation: result.buffer − task.buffer.
 
 `PackedTensors` is an ordinary `dict[str, Tensor]` to every reader: its float32 tensors are views of `buffer`,
 trained tensors first (sorted by name), then BN running statistics (sorted by name, running variances last), as
-`layout` records. Any
-change to the mapping itself (setting, deleting, updating a key) drops the packing and leaves a plain-acting
-dict, so the buffer never disagrees with the tensors it claims to hold; in-place writes into a tensor write the
-buffer. Layouts are interned: two states with the same keys and shapes share one `PackLayout` object, so
+`layout` records. Any change to the mapping itself (setting, deleting, updating a key) drops the packing and
+leaves a plain-acting dict, so the buffer never disagrees with the tensors it claims to hold; in-place writes into
+a tensor write the buffer. Layouts are interned: two states with the same keys and shapes share one `PackLayout` object, so
 "same layout" is an identity test.
 
 Packing happens where a state is made: `slicing.extract` (tasks), the trainer (results), the wire decoder
@@ -34,9 +33,22 @@ Shapes = tuple[tuple[int, ...], ...]
 class PackLayout:
     """Which keys a buffer holds, in order, with their shapes: `trained` trained tensors (`trained_size`
     values), then the running statistics. `complete`: every floating tensor of the state is in the buffer.
-    Made by `layout_for` only (interned), never changed."""
+    Made by `layout_for` only (interned), never changed; its parts are made once, so readers get the same tuple
+    objects every time (the direction screen caches positions by their identity)."""
 
-    __slots__ = ("complete", "counts", "keys", "shapes", "size", "trained", "trained_size")
+    __slots__ = (
+        "complete",
+        "counts",
+        "keys",
+        "shapes",
+        "size",
+        "statistic_keys",
+        "statistic_shapes",
+        "trained",
+        "trained_keys",
+        "trained_shapes",
+        "trained_size",
+    )
 
     def __init__(self, keys: tuple[str, ...], shapes: Shapes, trained: int, complete: bool) -> None:
         self.keys = keys
@@ -46,22 +58,8 @@ class PackLayout:
         self.counts = tuple(math.prod(shape) for shape in shapes)
         self.trained_size = sum(self.counts[:trained])
         self.size = sum(self.counts)
-
-    @property
-    def trained_keys(self) -> tuple[str, ...]:
-        return self.keys[: self.trained]
-
-    @property
-    def trained_shapes(self) -> Shapes:
-        return self.shapes[: self.trained]
-
-    @property
-    def statistic_keys(self) -> tuple[str, ...]:
-        return self.keys[self.trained :]
-
-    @property
-    def statistic_shapes(self) -> Shapes:
-        return self.shapes[self.trained :]
+        self.trained_keys, self.trained_shapes = keys[:trained], shapes[:trained]
+        self.statistic_keys, self.statistic_shapes = keys[trained:], shapes[trained:]
 
 
 _LAYOUTS: dict[tuple[tuple[str, ...], Shapes, int, bool], PackLayout] = {}
