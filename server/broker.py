@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -41,6 +42,26 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
         except OSError:
             time.sleep(0.02)
     return False
+
+
+class _SnapshotIteration(dict[str, Any]):
+    """A dict whose plain iteration walks a snapshot of its keys.
+
+    amqtt 0.12's broker walks its subscription table with an `await` inside the loop (retained messages for a
+    connecting client): a subscription made meanwhile by another client raised "dictionary changed size during
+    iteration", the connecting client's session handler died, and that client's next publish failed with "not
+    currently connected" (the suite's occasional fleet and transport test failures). Iterating a snapshot is what
+    that loop needs; lookups, inserts and deletes are the dict's own."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.keys()))
+
+
+def _iterate_subscriptions_over_a_snapshot(broker: object) -> None:
+    """Give an amqtt broker's subscription table snapshot iteration (see `_SnapshotIteration`)."""
+    table = getattr(broker, "_subscriptions", None)
+    if isinstance(table, dict) and not isinstance(table, _SnapshotIteration):
+        broker._subscriptions = _SnapshotIteration(table)  # type: ignore[attr-defined]
 
 
 class EmbeddedBroker:
@@ -94,6 +115,7 @@ class EmbeddedBroker:
                 bind_port: int = port, own_loop: asyncio.AbstractEventLoop = loop
             ) -> object:
                 broker = Broker(self._config(bind_port), loop=own_loop)
+                _iterate_subscriptions_over_a_snapshot(broker)
                 await broker.start()
                 return broker
 

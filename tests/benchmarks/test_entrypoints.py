@@ -10,6 +10,7 @@ import os
 import runpy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,9 @@ def test_benchmark_starts_as_a_script_and_as_a_module(
     argv = sys.argv
     sys.argv = [f"benchmarks/{name}.py", "--help"]
     try:
-        with pytest.raises(SystemExit) as exited:
+        with pytest.raises(SystemExit) as exited, warnings.catch_warnings():
+            # other tests may have imported benchmarks.X already; runpy warns, and runs it afresh as __main__
+            warnings.filterwarnings("ignore", message=".*found in sys.modules", category=RuntimeWarning)
             runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
     finally:
         sys.argv = argv

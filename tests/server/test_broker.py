@@ -167,3 +167,25 @@ def test_start_mosquitto_plain_loopback():
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_the_embedded_brokers_subscription_table_can_change_while_a_connecting_client_walks_it():
+    """amqtt 0.12 walks its subscription table with an await inside the loop when a client connects; another
+    client subscribing meanwhile raised 'dictionary changed size during iteration' and the connecting client was
+    dropped ('not currently connected' on its next publish). The embedded broker's table iterates a snapshot."""
+    with EmbeddedBroker() as broker:
+        table = broker._broker._subscriptions  # the real amqtt broker's table
+        subscriber, _ = connected(broker.port, "subscriber")
+        try:
+            subscriber.subscribe("fleet/x/status", qos=1)
+            time.sleep(0.3)
+            walked = []
+            for topic in table:  # what amqtt's connect handler does, with a change in the middle
+                walked.append(topic)
+                table["fleet/y/status"] = []
+            assert "fleet/x/status" in walked and "fleet/y/status" in table
+            del table["fleet/y/status"]
+            client, _ = connected(broker.port, "after")  # the broker still accepts and serves clients
+            close(client)
+        finally:
+            close(subscriber)
