@@ -77,7 +77,9 @@ def layout_for(keys: tuple[str, ...], shapes: Shapes, trained: int, complete: bo
     return layout
 
 
-def _views(buffer: torch.Tensor, shapes: Shapes) -> list[torch.Tensor]:
+def views_of(buffer: torch.Tensor, shapes: Iterable[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of a flat buffer shaped like each of `shapes`, laid end to end (a packed state's tensors, a screen's
+    update row)."""
     views, offset = [], 0
     for shape in shapes:
         count = math.prod(shape)
@@ -163,7 +165,7 @@ def _rebuild(
     order: list[str],
 ) -> PackedTensors:
     layout = layout_for(keys, shapes, trained, complete)
-    tensors = dict(zip(keys, _views(buffer, shapes), strict=True))
+    tensors = dict(zip(keys, views_of(buffer, shapes), strict=True))
     tensors.update(others)
     return PackedTensors(((k, tensors[k]) for k in order), buffer, layout)
 
@@ -181,7 +183,7 @@ def pack(state: Mapping[str, torch.Tensor]) -> PackedTensors:
     complete = len(keys) == sum(1 for v in state.values() if v.is_floating_point())
     layout = layout_for(keys, shapes, len(trained), complete)
     buffer = torch.empty(layout.size, dtype=torch.float32)
-    views = _views(buffer, shapes)
+    views = views_of(buffer, shapes)
     if views:
         with torch.no_grad():
             torch._foreach_copy_(views, [state[k] for k in keys])

@@ -26,7 +26,7 @@ import torch
 from nestling.errors import SpecError
 from nestling.messages import Result, Task
 from nestling.models.layers import is_running_statistic
-from nestling.packed import PackLayout, packing
+from nestling.packed import PackLayout, packing, views_of
 from nestling.server.running_statistics import NO_STATISTICS, UploadedStatistics
 
 Shapes = tuple[tuple[int, ...], ...]
@@ -70,16 +70,6 @@ def split_keys(
         tuple(k for k in shared if not is_running_statistic(k)),
         tuple(k for k in shared if is_running_statistic(k)),
     )
-
-
-def _row_views(row: torch.Tensor, shapes: Shapes) -> list[torch.Tensor]:
-    """Views of a flat row shaped like each tensor of an update, in order."""
-    views, offset = [], 0
-    for shape in shapes:
-        count = math.prod(shape)
-        views.append(row[offset : offset + count].view(shape))
-        offset += count
-    return views
 
 
 def _fill(row: torch.Tensor, views: list[torch.Tensor], trained: Tensors, sent: Tensors) -> UpdateSize:
@@ -173,7 +163,7 @@ def flat_update(task: Task, result: Result) -> FlatUpdate:
     if tuple([t.shape for t in sent]) != shapes:
         raise SpecError(f"result of {result.device_id} does not have its task's shapes")
     row = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.float32)
-    return FlatUpdate(keys, shapes, row, _fill(row, _row_views(row, shapes), trained, sent), statistics)
+    return FlatUpdate(keys, shapes, row, _fill(row, views_of(row, shapes), trained, sent), statistics)
 
 
 def update_size(task: Task, result: Result) -> UpdateSize:
@@ -203,12 +193,12 @@ class _RowPool:
         self.peak = max(self.peak, self.lent)
         if not self.free:
             row = torch.empty(self.size, dtype=torch.float32)
-            return row, _row_views(row, self.shapes), -1
+            return row, views_of(row, self.shapes), -1
         index = self.free.pop()
         cached = self.rows[index]
         if cached is None:  # the same row object every round: its identity finds it again
             row = self.matrix[index]
-            cached = self.rows[index] = (row, _row_views(row, self.shapes))
+            cached = self.rows[index] = (row, views_of(row, self.shapes))
         return cached[0], cached[1], index
 
     def give_back(self, index: int) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from nestling.models.layers import is_running_variance
+from nestling.packed import views_of
 
 Shapes = tuple[tuple[int, ...], ...]
 FLOAT32_NORM_LIMIT = math.sqrt(float(torch.finfo(torch.float32).max))  # the update norm's float32 range, too
@@ -52,12 +53,7 @@ class UploadedStatistics:
         """Each statistics tensor (views of `flat` for a packed result)."""
         if self.flat is None or self.shapes is None:
             return self.tensors
-        views, offset = [], 0
-        for shape in self.shapes:
-            count = math.prod(shape)
-            views.append(self.flat[offset : offset + count].view(shape))
-            offset += count
-        return tuple(views)
+        return tuple(views_of(self.flat, self.shapes))
 
     @property
     def signature(self) -> tuple[tuple[str, ...], Shapes]:
@@ -276,31 +272,21 @@ def _variance_of(key: str) -> str | None:
     return None
 
 
-def quantile_without(ordered: list[float], position: int, q: float) -> float:
-    """The q-quantile (linear interpolation) of a sorted list without its element at `position`, in O(1).
+def quantile_without(ordered: list[float], position: int | None, q: float) -> float:
+    """The q-quantile (linear interpolation) of a sorted list without its element at `position` (None: of the
+    whole list), in O(1).
 
     The screens measure an outsized value against the others' upper quartile, not their median: honest rounds
     can be bimodal (DynamicFL's capacity tiers: updates of 3e-5 and 2.6e-3 rms in one round of four boards), and
     the median then sits in the lower mode. A single attacker among four or more results never sets the upper
     quartile of the others alone."""
-    count = len(ordered) - 1
+    count = len(ordered) - (position is not None)
 
     def other(j: int) -> float:
-        return ordered[j] if j < position else ordered[j + 1]
+        return ordered[j] if position is None or j < position else ordered[j + 1]
 
     at = q * (count - 1)
     low = math.floor(at)
     if low >= count - 1:
         return other(count - 1)
     return other(low) + (at - low) * (other(low + 1) - other(low))
-
-
-def median_without(ordered: list[float], position: int) -> float:
-    """The median of a sorted list without its element at `position`, in O(1) (`quantile_without` at 0.5)."""
-    count = len(ordered) - 1
-
-    def other(j: int) -> float:
-        return ordered[j] if j < position else ordered[j + 1]
-
-    middle = count // 2
-    return other(middle) if count % 2 else 0.5 * (other(middle - 1) + other(middle))

@@ -308,7 +308,7 @@ def _others_reference(rms: list[float]) -> list[float | None]:
     finite = sorted(r for r in rms if math.isfinite(r))
     if len(finite) < 2:
         return [None if math.isfinite(r) or not finite else finite[-1] for r in rms]
-    whole = quantile_without([*finite, math.inf], len(finite), REFERENCE_QUANTILE)  # all finite ones
+    whole = quantile_without(finite, None, REFERENCE_QUANTILE)
     return [
         quantile_without(finite, bisect_left(finite, r), REFERENCE_QUANTILE) if math.isfinite(r) else whole
         for r in rms

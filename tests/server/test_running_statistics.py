@@ -16,7 +16,6 @@ from nestling.server.running_statistics import (
     MeasuredStatistics,
     UploadedStatistics,
     measure,
-    median_without,
     quantile_without,
     statistics_outliers,
 )
@@ -84,17 +83,6 @@ def test_inflated_running_statistics_are_refused_tensor_by_tensor() -> None:
     )  # others' upper quartile
 
 
-def test_the_median_without_one_element_equals_the_median_of_the_rest() -> None:
-    generator = torch.Generator().manual_seed(0)
-    for count in range(2, 10):
-        for _ in range(20):
-            ordered = sorted(torch.rand(count, generator=generator).tolist())
-            for position in range(count):
-                assert median_without(ordered, position) == pytest.approx(
-                    median(ordered[:position] + ordered[position + 1 :])
-                )
-
-
 def _bn_net() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3),
@@ -158,7 +146,9 @@ def test_the_first_update_of_a_never_trained_submodel_is_not_refused() -> None:
 
 
 @pytest.mark.parametrize("q", [0.5, 0.75])
-def test_the_quantile_without_one_element_equals_the_quantile_of_the_rest(q: float) -> None:
+def test_the_quantile_without_one_element_equals_the_quantile_of_the_rest_and_the_median_at_half(
+    q: float,
+) -> None:
     generator = torch.Generator().manual_seed(0)
     for count in range(2, 12):
         for _ in range(20):
@@ -166,6 +156,7 @@ def test_the_quantile_without_one_element_equals_the_quantile_of_the_rest(q: flo
             for position in range(count):
                 rest = ordered[:position] + ordered[position + 1 :]
                 assert quantile_without(ordered, position, q) == pytest.approx(float(np.quantile(rest, q)))
+            assert quantile_without(ordered, None, q) == pytest.approx(float(np.quantile(ordered, q)))
 
 
 def test_statistics_a_board_left_as_sent_are_not_compared() -> None:
