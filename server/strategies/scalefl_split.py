@@ -119,3 +119,31 @@ def explicit_levels(grid: Any, *, num_blocks: int) -> list[Level]:
         levels.append(Level(float(width), depth, float("nan")))  # cost unknown: chosen by memory, not params
     levels.append(Level(1.0, num_blocks, 1.0))
     return levels
+
+
+@dataclass(frozen=True)
+class LevelBudget:
+    """Where a level's parameters go: its backbone (stem and kept blocks) and the exit heads it carries."""
+
+    level: Level
+    backbone: int
+    exits: int
+
+    @property
+    def exit_share(self) -> float:
+        return self.exits / (self.backbone + self.exits)
+
+
+def level_budgets(model: ModelConfig, levels: list[Level], *, num_blocks: int) -> list[LevelBudget]:
+    """Split each level below the full model into backbone and exit parameters. On a shallow network the
+    exit heads (three 3×3 convs at the stage's width, §6.a.4) take a large share of a small level's budget,
+    which leaves its backbone fewer parameters than a width-only submodel of the same size."""
+    probe = model.with_(exit_points=tuple(range(num_blocks)))
+    budgets: list[LevelBudget] = []
+    exits_so_far: list[int] = []
+    for level in levels[:-1]:
+        stem, blocks, exits, _ = _group_params(probe, level.width)
+        exits_so_far.append(level.depth - 1)
+        backbone = stem + sum(blocks[: level.depth])
+        budgets.append(LevelBudget(level, round(backbone), round(sum(exits[e] for e in exits_so_far))))
+    return budgets

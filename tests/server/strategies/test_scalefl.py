@@ -13,7 +13,7 @@ from nestling.models import ModelConfig, build, kept_channels
 from nestling.models.cost import count_parameters
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.server.strategies.scalefl import ScaleFL
-from nestling.server.strategies.scalefl_split import search_levels
+from nestling.server.strategies.scalefl_split import Level, level_budgets, search_levels
 from nestling.spec import SubmodelSpec
 
 NUM_BLOCKS = 9
@@ -279,3 +279,28 @@ class TestLevelsFromThePlanner:
     def test_bad_grids_are_refused_by_name(self, grid: object, message: str) -> None:
         with pytest.raises(ConfigError, match=message):
             create_strategy("scalefl", context(options={"grid": grid}))
+
+
+# -- the parameter accounting behind docs/reproductions.md's ScaleFL analysis -----------------------------
+def test_level_budgets_split_each_level_model_into_backbone_and_exits(scalefl: ScaleFL) -> None:
+    budgets = level_budgets(scalefl.model, scalefl.levels, num_blocks=NUM_BLOCKS)
+    assert [b.level for b in budgets] == scalefl.levels[:-1]
+    for budget, spec in zip(budgets, scalefl.specs):
+        named = dict(build(spec, device="meta").named_parameters())
+        exits = sum(p.numel() for name, p in named.items() if name.startswith("exits."))
+        assert (budget.backbone, budget.exits) == (params(spec) - exits, exits)
+        assert 0 < budget.exit_share < 1
+
+
+def test_exit_heads_take_a_larger_share_of_a_level_on_a_shallow_resnet() -> None:
+    """Why ScaleFL's small levels keep less backbone than a width-only model on ResNet-20 but not on ResNet-110:
+    the same splits (the poster's depth ratios 0.66 / 0.77 / 0.88 at widths 0.7 / 0.7 / 0.75) in both."""
+    shares = {}
+    for arch, blocks in (("resnet20", 9), ("resnet110", 54)):
+        model = BASE.with_(arch=arch, num_classes=10, image_size=32)
+        levels = [
+            Level(w, int(d * blocks), float("nan")) for w, d in ((0.7, 0.66), (0.7, 0.77), (0.75, 0.88))
+        ]
+        shares[arch] = [b.exit_share for b in level_budgets(model, [*levels, levels[-1]], num_blocks=blocks)]
+    assert all(shallow > 2 * deep for shallow, deep in zip(shares["resnet20"], shares["resnet110"]))
+    assert min(shares["resnet20"]) > 0.25 and max(shares["resnet110"]) < 0.25
