@@ -10,6 +10,7 @@ import numpy as np
 
 from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
+from nestling.models.family import family_of
 from nestling.slicing import shapes_for
 from nestling.spec import SubmodelSpec
 
@@ -27,10 +28,18 @@ class Level:
 def _group_params(
     probe: ModelConfig, width: float
 ) -> tuple[float, tuple[float, ...], tuple[float, ...], float]:
-    """Parameters of stem, of each block, of an exit after each block, and of the head at `width`."""
-    shapes = shapes_for(SubmodelSpec(probe, width=width, exits=probe.exit_points))
+    """Parameters of stem, of each block, of an exit after each block, and of the head at `width`.
+
+    An exit's shape depends only on the channels of the block it follows (heads.make_exit), so one exit per
+    distinct channel count is built and its count shared: ResNet-110 builds 3 exits per width, not 54."""
     blocks = max(probe.exit_points) + 1
-    block_params, exit_params = np.zeros(blocks), np.zeros(blocks)
+    infos = family_of(probe.arch).block_infos(probe.image_size, probe.extra)[:blocks]
+    representative: dict[int, int] = {}
+    for info in infos:
+        representative.setdefault(info.global_out, info.index)
+    built = probe.with_(exit_points=tuple(sorted(representative.values())))
+    shapes = shapes_for(SubmodelSpec(built, width=width, exits=built.exit_points))
+    block_params, built_exits = np.zeros(blocks), np.zeros(blocks)
     stem = head = 0.0
     for key, shape in shapes.items():
         n = float(np.prod(shape)) if shape else 1.0
@@ -38,12 +47,13 @@ def _group_params(
         if part == "blocks":
             block_params[int(rest.split(".")[0])] += n
         elif part == "exits":
-            exit_params[int(rest.split(".")[0])] += n
+            built_exits[int(rest.split(".")[0])] += n
         elif part == "stem":
             stem += n
         else:
             head += n
-    return stem, tuple(block_params), tuple(exit_params), head
+    exit_params = tuple(float(built_exits[representative[info.global_out]]) for info in infos)
+    return stem, tuple(block_params), exit_params, head
 
 
 def search_levels(

@@ -13,7 +13,8 @@ from nestling.models import ModelConfig, build, kept_channels
 from nestling.models.cost import count_parameters
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.server.strategies.scalefl import ScaleFL
-from nestling.server.strategies.scalefl_split import Level, level_budgets, search_levels
+from nestling.server.strategies.scalefl_split import Level, _group_params, level_budgets, search_levels
+from nestling.slicing import shapes_for
 from nestling.spec import SubmodelSpec
 
 NUM_BLOCKS = 9
@@ -304,3 +305,15 @@ def test_exit_heads_take_a_larger_share_of_a_level_on_a_shallow_resnet() -> None
         shares[arch] = [b.exit_share for b in level_budgets(model, [*levels, levels[-1]], num_blocks=blocks)]
     assert all(shallow > 2 * deep for shallow, deep in zip(shares["resnet20"], shares["resnet110"]))
     assert min(shares["resnet20"]) > 0.25 and max(shares["resnet110"]) < 0.25
+
+
+@pytest.mark.parametrize("width", [0.33, 0.5, 1.0])
+def test_group_params_sharing_one_exit_per_channel_count_matches_building_every_exit(width: float) -> None:
+    probe = BASE.with_(exit_points=tuple(range(NUM_BLOCKS)))
+    stem, blocks, exits, head = _group_params(probe, width)
+    every = shapes_for(SubmodelSpec(probe, width=width, exits=probe.exit_points))
+    counted = {key: float(np.prod(shape)) if shape else 1.0 for key, shape in every.items()}
+    for block in range(NUM_BLOCKS):
+        assert exits[block] == sum(n for k, n in counted.items() if k.startswith(f"exits.{block}."))
+        assert blocks[block] == sum(n for k, n in counted.items() if k.startswith(f"blocks.{block}."))
+    assert stem + head + sum(blocks) + sum(exits) == sum(counted.values())
