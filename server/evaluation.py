@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,14 @@ class EvalResult:
     macs: int
 
 
+TargetRunner = Callable[[list[EvalTarget]], list[EvalResult]]
+
+
 class Evaluator:
-    """Scores submodels on held-out tensors; `calibration` is training data for HeteroFL's static BN."""
+    """Scores submodels on held-out tensors; `calibration` is training data for HeteroFL's static BN.
+
+    `runner` scores several targets elsewhere (the simulator's worker processes, one target each) with an
+    evaluator built from the same data; scoring one target stays here."""
 
     def __init__(
         self,
@@ -34,8 +41,10 @@ class Evaluator:
         batch_size: int = 512,
         device: str = "cpu",
         calibration: torch.Tensor | None = None,
+        runner: TargetRunner | None = None,
     ) -> None:
         self.x, self.y = x, y
+        self.runner = runner
         self.batch_size = batch_size
         self.device = device
         self.calibration = calibration
@@ -71,4 +80,6 @@ class Evaluator:
         return self._cost_cache[key]
 
     def evaluate_all(self, targets: list[EvalTarget]) -> list[EvalResult]:
+        if self.runner is not None and len(targets) > 1:
+            return self.runner(targets)
         return [self.evaluate(t) for t in targets]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import threading
@@ -16,9 +17,11 @@ import torch
 
 from nestling.edge.procedures import ClientData, DeviceStore
 from nestling.edge.store_state import stores_from_tensors, stores_to_tensors
+from nestling.eval_target import EvalTarget
 from nestling.messages import Result, Task
 from nestling.plugins import load_plugins
 from nestling.profiler.speed import samples_trained
+from nestling.server.evaluation import EvalResult, Evaluator, TargetRunner
 from nestling.simulator.batched import BatchPolicy, batch_key, run_tasks
 from nestling.simulator.packing import PackedState, pack_state
 
@@ -127,6 +130,14 @@ class WorkerState:
         single_thread()
         self.data_for = factory(**factory_args)
         self.policy = policy
+        self._evaluator: tuple[str, Evaluator] | None = None
+
+    def evaluator(self, factory: Callable[..., Evaluator], args: dict[str, Any]) -> Evaluator:
+        """The evaluator `factory(**args)` builds, made once per worker (it holds the test set)."""
+        key = f"{factory.__module__}.{factory.__qualname__}:{json.dumps(args, sort_keys=True, default=str)}"
+        if self._evaluator is None or self._evaluator[0] != key:
+            self._evaluator = (key, factory(**args))
+        return self._evaluator[1]
 
     def run(self, job: Job) -> list[tuple[Result, DeviceStore]]:
         stores = {task.device_id: store for task, store in job}
@@ -184,6 +195,13 @@ def _worker_run(job: PackedJob) -> PackedOutput:
     return _pack_output(_WORKER.run(tasks))
 
 
+def _worker_evaluate(
+    factory: Callable[..., Evaluator], args: dict[str, Any], target: EvalTarget, state: PackedState
+) -> EvalResult:
+    assert _WORKER is not None
+    return _WORKER.evaluator(factory, args).evaluate(replace(target, state=state.unpack()))
+
+
 class ProcessPoolBackend:
     """`workers` processes (default: one per core), each rebuilding the client data once from a factory.
 
@@ -220,6 +238,27 @@ class ProcessPoolBackend:
             for job in jobs
         ]
         return collect(tasks, jobs, [_unpack_output(f.result()) for f in futures], self.stores)
+
+    def evaluation_runner(self, factory: Callable[..., Evaluator], args: dict[str, Any]) -> TargetRunner:
+        """Score targets on the workers, one job each, largest first so the last to finish is a small one;
+        `factory(**args)` must build in a worker the evaluator the coordinator would use."""
+
+        def run(targets: list[EvalTarget]) -> list[EvalResult]:
+            sizes = [sum(t.numel() for t in target.state.values()) for target in targets]
+            order = sorted(range(len(targets)), key=lambda i: -sizes[i])
+            futures = {
+                i: self.pool.submit(
+                    _worker_evaluate,
+                    factory,
+                    args,
+                    replace(targets[i], state={}),
+                    pack_state(targets[i].state),
+                )
+                for i in order
+            }
+            return [futures[i].result() for i in range(len(targets))]
+
+        return run
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,19 @@ def load_fleet_data(
     return FleetData(bundle, parts, kind)
 
 
+_LAST_LOADED: tuple[str, FleetData] | None = None
+
+
+def shared_fleet_data(**kwargs: Any) -> FleetData:
+    """`load_fleet_data`, kept for the last arguments: a worker's training data and its evaluation data (the
+    test set, sBN calibration images) come from one load, so a worker holds one copy of the dataset, not two."""
+    global _LAST_LOADED
+    key = json.dumps(kwargs, sort_keys=True, default=str)
+    if _LAST_LOADED is None or _LAST_LOADED[0] != key:
+        _LAST_LOADED = (key, load_fleet_data(**kwargs))
+    return _LAST_LOADED[1]
+
+
 def client_provider(**kwargs: Any):
     """Factory used by worker processes: returns device id → ClientData."""
-    return load_fleet_data(**kwargs).client
+    return shared_fleet_data(**kwargs).client

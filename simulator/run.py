@@ -10,12 +10,10 @@ from typing import Any
 
 import torch
 
-from nestling.calibration import calibration_subset
 from nestling.config import SimConfig
 from nestling.profiler.traces import load_traces
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundRecord
-from nestling.server.evaluation import Evaluator
 from nestling.server.run_report import (
     add_method_results,
     plot_accuracy,
@@ -35,6 +33,7 @@ from nestling.simulator.backend import (
 from nestling.simulator.batched import BatchPolicy
 from nestling.simulator.fleetdata import FleetData, device_id, device_index, load_fleet_data
 from nestling.simulator.inprocess import InProcessTransport
+from nestling.simulator.parallel_eval import evaluator_for, worker_evaluator
 from nestling.simulator.replay import Replay, cycled_provider, fleet_size
 from nestling.simulator.replay_report import write_replay_report
 
@@ -136,13 +135,15 @@ def run_simulation(
         plan = (strategy.full_spec, strategy.batch_size)  # replayed boards send their trace's profile
         replay = Replay(str(cfg.run.traces), traces, devices, backend, bundle.input_shape, out_dir, plan)
     transport = replay.transport if replay else InProcessTransport(devices, backend, tamper=tamper)
-    evaluator = Evaluator(
-        bundle.test.x,
-        bundle.test.y,
-        batch_size=cfg.run.eval_batch,
-        device=cfg.run.device,
-        calibration=calibration_subset(bundle.train.x, cfg.run.calibration_samples, cfg.run.seed),
-    )
+    evaluation = {
+        "batch_size": cfg.run.eval_batch,
+        "calibration_samples": cfg.run.calibration_samples,
+        "seed": cfg.run.seed,
+    }
+    runner = None
+    if isinstance(backend, ProcessPoolBackend):  # the workers score a round's submodels side by side
+        runner = backend.evaluation_runner(worker_evaluator, {"fleet": fleet_args(cfg), **evaluation})
+    evaluator = evaluator_for(bundle, device=cfg.run.device, runner=runner, **evaluation)
     policy = round_policy(cfg)
     clock = replay.clock if replay else WallClock()
     hook = replay.after_round(on_round) if replay else on_round
