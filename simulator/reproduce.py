@@ -244,7 +244,8 @@ class Spread:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One claim measured: margin = mean(better) - mean(worse); `clear` when it exceeds the seed spread."""
+    """One claim measured: margin = mean(better) - mean(worse); `clear` when it exceeds the seed spread,
+    measured over at least two seeds of each method."""
 
     claim: Claim
     margin: float
@@ -270,5 +271,7 @@ def judge(comparison: Comparison, table: dict[str, dict[str, Spread]]) -> list[V
         margin = better.mean - worse.mean
         spread = max(better.std, worse.std)
         held = margin > 0
-        verdicts.append(Verdict(claim, margin, spread, held, held and margin > spread))
+        # One seed has no spread to exceed: such a margin is never called clear.
+        measured = min(better.n, worse.n) > 1
+        verdicts.append(Verdict(claim, margin, spread, held, held and measured and margin > spread))
     return verdicts

@@ -22,6 +22,7 @@ from nestling.simulator.reproduce import (
     summarise_runs,
 )
 from nestling.simulator.reproduce_cli import reproduce, run_state
+from nestling.simulator.reproduce_report import markdown
 from nestling.simulator.run import run_simulation
 
 TINY = """
@@ -138,6 +139,20 @@ def test_a_claim_is_clear_only_when_its_margin_exceeds_the_seed_spread() -> None
     assert not verdicts["nefl-wd > fjord on avg"].held
     assert verdicts["nefl-wd > heterofl on worst"].clear
     assert Claim.parse(" a>b on  worst ") == Claim("a", "b", "worst")
+
+
+def test_a_single_seed_margin_is_never_clear_and_its_table_says_why() -> None:
+    """With one seed the spread is 0, and any positive margin would otherwise pass as beyond it."""
+    comparison = load_comparison("nefl", "small")
+    table = {
+        "nefl-wd": {"worst": Spread.of([62.0]), "avg": Spread.of([75.0])},
+        "fjord": {"worst": Spread.of([59.0, 59.4]), "avg": Spread.of([70.5, 70.7])},
+        "heterofl": {"worst": Spread.of([50.0]), "avg": Spread.of([60.0])},
+    }
+    verdicts = judge(comparison, table)
+    assert all(v.held and not v.clear for v in verdicts)
+    text = markdown(comparison, table, verdicts, [], "cmd")
+    assert text.count("– (one seed)") == len(verdicts)
 
 
 def test_reproduce_runs_judges_and_skips_finished_runs(tiny_preset: Path, tmp_path: Path) -> None:
