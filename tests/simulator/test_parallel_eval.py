@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from nestling.config import config_from_dict
+from nestling.simulator.backend import ProcessPoolBackend
 from nestling.simulator.run import run_simulation
 
 
@@ -33,10 +37,21 @@ def scores(tmp_path: Path, name: str, method: dict, backend: str, workers: int) 
     ]
 
 
-def test_pool_workers_score_every_submodel_as_the_coordinator_does(tmp_path: Path) -> None:
+def test_pool_workers_score_every_submodel_as_the_coordinator_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """HeteroFL with sBN: each worker calibrates every width on the same images as the coordinator would."""
     method = {"name": "heterofl", "options": {"static_bn": True}}
     serial = scores(tmp_path, "inprocess", method, "inprocess", 1)
+    scored_by_workers: list[int] = []
+    make_runner = ProcessPoolBackend.evaluation_runner
+
+    def counting(self: ProcessPoolBackend, factory: Any, args: dict[str, Any]) -> Any:
+        runner = make_runner(self, factory, args)
+        return lambda targets: scored_by_workers.append(len(targets)) or runner(targets)
+
+    monkeypatch.setattr(ProcessPoolBackend, "evaluation_runner", counting)
     pooled = scores(tmp_path, "pool", method, "pool", 2)
     assert len(serial) == 2 and all(len(r) > 1 for r in serial)
+    assert scored_by_workers == [len(r) for r in serial]  # every round's targets went to the workers
     assert pooled == serial
