@@ -85,13 +85,16 @@ def search_levels(
                         best = (balance, error, width, depth, cost / full_cost)
                 elif fallback is None or error < fallback[0]:
                     fallback = (error, width, depth, cost / full_cost)
-        if best is None and fallback is None:
+        if best is not None:
+            picked = Level(*best[2:])
+        elif fallback is not None:
+            picked = Level(*fallback[1:])
+        else:
             raise ConfigError(
                 f"[method] ScaleFL level {len(levels) + 1} (cost {fraction:g}) has no split: "
                 f"{model.arch} has too few blocks ({num_blocks}) for {len(fractions)} levels "
                 "that each end at a later block"
             )
-        picked = Level(*best[2:]) if best is not None else Level(*fallback[1:])  # type: ignore[misc]
         levels.append(picked)
         chosen_exits.append(picked.depth - 1)
     levels.append(Level(1.0, num_blocks, 1.0))
