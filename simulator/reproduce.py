@@ -252,6 +252,7 @@ class Verdict:
     spread: float
     held: bool
     clear: bool
+    seeds: int  # the fewer seeds of the two methods: one seed has no spread to exceed
 
 
 def summarise_runs(comparison: Comparison, runs: list[RunResult]) -> dict[str, dict[str, Spread]]:
@@ -271,7 +272,6 @@ def judge(comparison: Comparison, table: dict[str, dict[str, Spread]]) -> list[V
         margin = better.mean - worse.mean
         spread = max(better.std, worse.std)
         held = margin > 0
-        # One seed has no spread to exceed: such a margin is never called clear.
-        measured = min(better.n, worse.n) > 1
-        verdicts.append(Verdict(claim, margin, spread, held, held and measured and margin > spread))
+        seeds = min(better.n, worse.n)
+        verdicts.append(Verdict(claim, margin, spread, held, held and seeds > 1 and margin > spread, seeds))
     return verdicts

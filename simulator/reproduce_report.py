@@ -47,8 +47,7 @@ def markdown(
         lines.append("| " + " | ".join([entry.label, *cells, f"{wall:.1f}"]) + " |")
     lines += ["", "| claim | margin (pts) | seed spread | held | beyond spread |", "|---|---|---|---|---|"]
     for v in verdicts:
-        one_seed = min(table[v.claim.better][v.claim.metric].n, table[v.claim.worse][v.claim.metric].n) < 2
-        spread = "– (one seed)" if one_seed else f"{v.spread:.2f}"
+        spread = "– (one seed)" if v.seeds < 2 else f"{v.spread:.2f}"
         lines.append(
             f"| {v.claim} | {v.margin:+.2f} | {spread} | {'yes' if v.held else 'no'} | "
             f"{'yes' if v.clear else 'no'} |"
