@@ -11,6 +11,7 @@ import ipaddress
 import json
 import os
 import pwd
+import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +22,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from nestling.errors import ConfigError
+from nestling.server.enrolment import enrolment_toml
 from nestling.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
 from nestling.wire.topics import DEVICE_PUBLISHES, DEVICE_READS, FleetTopics, validate_id
 
 PBKDF2_ITERATIONS = 1000  # passwords are 192 random bits, so the work factor only needs to be nominal
 _PACKET_OVERHEAD = 1024 * 1024  # topic, MQTT fixed header and properties on top of the largest message
+MAX_DEVICES = 10_000  # one certificate each: a larger fleet is a typo, and would take minutes to issue
+_ACCOUNT_NAME = re.compile(
+    r"[a-z_][a-z0-9_-]{0,31}"
+)  # POSIX-portable user names (also safe in mosquitto.conf)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class BrokerConfigFiles:
     config: Path
     password_file: Path
     acl_file: Path
+    enrolment: Path
     ca_cert: Path
     server_cert: Path
     server_key: Path
@@ -153,8 +160,8 @@ def _toml_string(value: str) -> str:
 
 def _device_ids(devices: int | list[str], server_user: str) -> list[str]:
     if isinstance(devices, int) and not isinstance(devices, bool):
-        if devices < 1:
-            raise ConfigError(f"--devices must be at least 1, got {devices}")
+        if not 1 <= devices <= MAX_DEVICES:
+            raise ConfigError(f"--devices must be a count within 1-{MAX_DEVICES}, got {devices}")
         width = max(3, len(str(devices - 1)))
         ids = [f"device-{i:0{width}d}" for i in range(devices)]
     elif isinstance(devices, list):
@@ -188,7 +195,12 @@ def _acl(topics: FleetTopics, server_user: str, device_ids: list[str]) -> str:
 
 
 def _mosquitto_conf(
-    files: BrokerConfigFiles, fleet: str, port: int, bind_address: str | None, max_bytes: int
+    files: BrokerConfigFiles,
+    fleet: str,
+    port: int,
+    bind_address: str | None,
+    max_bytes: int,
+    broker_user: str,
 ) -> str:
     return "\n".join(
         [
@@ -196,7 +208,11 @@ def _mosquitto_conf(
             "# Every client must present a certificate signed by tls/ca.crt; its common name IS its broker user",
             "# (use_identity_as_username), so the ACL below applies to the certificate's owner whatever",
             "# username a client claims: another board's password with this board's certificate buys nothing.",
+            "# That user is also its MQTT client id (use_username_as_clientid): a board connecting with another",
+            "# board's (or the server's) client id gets its own instead, so it cannot take over their session.",
             "per_listener_settings false",
+            "# Started as root, mosquitto switches to this account before it opens the server key.",
+            f"user {broker_user}",
             "allow_anonymous false",
             f"acl_file {files.acl_file}",
             "# Chunked transfers keep packets small; this only bounds an unchunked message.",
@@ -215,6 +231,7 @@ def _mosquitto_conf(
             f"keyfile {files.server_key}",
             "require_certificate true",
             "use_identity_as_username true",
+            "use_username_as_clientid true",
             "tls_version tlsv1.2",
             "",
         ]
@@ -327,6 +344,8 @@ def write_broker_config(
     """
     topics = FleetTopics(validate_id(fleet, "fleet"))
     validate_id(server_user, "server user")
+    if not isinstance(broker_user, str) or not _ACCOUNT_NAME.fullmatch(broker_user):
+        raise ConfigError(f"broker user {broker_user!r} is not an account name (a-z 0-9 _ -, up to 32)")
     device_ids = _device_ids(devices, server_user)
     out_dir = Path(out_dir).resolve()
     if any(ch.isspace() for ch in str(out_dir)):
@@ -347,9 +366,14 @@ def write_broker_config(
         config=out_dir / "mosquitto.conf",
         password_file=out_dir / "passwd",
         acl_file=out_dir / "acl",
+        enrolment=out_dir / "enrolment.toml",
         ca_cert=tls_dir / "ca.crt",
         server_cert=tls_dir / "server.crt",
         server_key=tls_dir / "server.key",
+    )
+    # Keys and passwords: never committed by accident, wherever --out points (a folder inside a clone too).
+    _write(
+        out_dir / ".gitignore", "# Secrets of a Nestling broker (keys, passwords): never commit them.\n*\n"
     )
     authority = _CertificateAuthority(f"Nestling fleet {fleet} CA", days=cert_days * 4)
     _write(files.ca_cert, authority.cert_pem)
@@ -371,8 +395,9 @@ def write_broker_config(
         files.credentials[user] = _write(out_dir / "credentials" / f"{user}.toml", text, secret=True)
     _write(files.password_file, "\n".join(password_lines) + "\n", secret=True)
     _write(files.acl_file, _acl(topics, server_user, device_ids))
+    _write(files.enrolment, enrolment_toml(fleet, device_ids))
     (out_dir / "data").mkdir(exist_ok=True)
-    _write(files.config, _mosquitto_conf(files, fleet, port, bind_address, max_message_bytes))
+    _write(files.config, _mosquitto_conf(files, fleet, port, bind_address, max_message_bytes, broker_user))
     files.service_dropin = _write(
         out_dir / "systemd" / "mosquitto.service.d" / "nestling.conf", _service_dropin(files.config)
     )
@@ -381,7 +406,29 @@ def write_broker_config(
 
 
 def _devices_argument(value: str) -> int | list[str]:
-    return int(value) if value.isdigit() else [name.strip() for name in value.split(",") if name.strip()]
+    """A device count (1-MAX_DEVICES) or comma-separated ids; a number out of range is never taken for a name."""
+    text = value.strip()
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None:
+        if not number.is_integer() or not 1 <= number <= MAX_DEVICES:
+            raise argparse.ArgumentTypeError(
+                f"a device count must be a whole number within 1-{MAX_DEVICES}, got {text!r}"
+            )
+        return int(number)
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"empty device id in {text!r} (ids are separated by single commas)")
+    for name in names:
+        if name.startswith("-"):
+            raise argparse.ArgumentTypeError(f"device id {name!r} starts with '-' (a count must be >= 1)")
+        try:
+            validate_id(name, "device id")
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
 
 
 def broker_config_main(argv: list[str]) -> int:
@@ -415,6 +462,8 @@ def broker_config_main(argv: list[str]) -> int:
         help="account mosquitto drops to when started as root (default: mosquitto)",
     )
     args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"argument --port: must be within 1-65535, got {args.port}")
     files = write_broker_config(
         args.fleet,
         args.devices,
@@ -430,6 +479,7 @@ def broker_config_main(argv: list[str]) -> int:
     print(f"  config       {files.config}")
     print(f"  passwords    {files.password_file} (0600; the TLS listener authenticates by certificate)")
     print(f"  acl          {files.acl_file}")
+    print(f"  enrolment    {files.enrolment} (fleet.toml: [enrolment] file = this path)")
     print(
         f"  tls          {files.ca_cert.parent} (CA, server and {len(files.credentials)} client certificates)"
     )
@@ -437,5 +487,9 @@ def broker_config_main(argv: list[str]) -> int:
     print(f"  service      {files.service_dropin} (drop-in for Debian's mosquitto.service)")
     for note in files.notes:
         print(f"note: {note}")
-    print(f"run: mosquitto -c {files.config}   (as root it drops to '{args.broker_user}')")
+    account = "stays root" if args.broker_user == "root" else f"drops to '{args.broker_user}'"
+    print(f"run: mosquitto -c {files.config}   (started as root it {account}: `user` in the config)")
+    print(
+        f"  {files.out_dir / '.gitignore'} keeps these secrets out of git; copy each board only its own files"
+    )
     return 0

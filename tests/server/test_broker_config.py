@@ -15,11 +15,13 @@ from cryptography import x509
 from nestling.errors import ConfigError
 from nestling.server.broker import find_free_port, mosquitto_binary, start_mosquitto, wait_for_port
 from nestling.server.broker_config import (
+    MAX_DEVICES,
     _broker_account,
     broker_config_main,
     mosquitto_password_hash,
     write_broker_config,
 )
+from nestling.server.enrolment import read_enrolment_file
 from nestling.wire.client import TlsFiles, connect_and_wait, make_client, read_credentials
 from nestling.wire.topics import QOS, FleetTopics
 from tests.server.broker_folders import broker_folder
@@ -110,6 +112,62 @@ def test_bad_requests_are_config_errors(tmp_path):
         write_broker_config("lab", 1, tmp_path / "y")
 
 
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        ("-2", "count must be a whole number within 1-"),
+        ("0", "count must be a whole number"),
+        ("2.5", "count must be a whole number"),
+        ("nan", "count must be a whole number"),
+        (str(MAX_DEVICES + 1), f"within 1-{MAX_DEVICES}"),
+        ("a,,b", "empty device id"),
+        ("a,-b", "starts with '-'"),
+        ("a,b/c", "device id 'b/c' is not allowed"),
+    ],
+)
+def test_invalid_device_counts_and_names_are_refused_by_name(tmp_path, capsys, devices, message):
+    """`--devices -2` used to make credentials for a device named '-2'."""
+    with pytest.raises(SystemExit) as exit_:
+        broker_config_main(["--fleet", "lab", "--devices", devices, "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --devices" in error and message in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_invalid_port_and_broker_account_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        broker_config_main(["--fleet", "lab", "--devices", "1", "--out", str(tmp_path), "--port", "0"])
+    assert "--port: must be within 1-65535" in capsys.readouterr().err
+    for account in ("mosquitto\nlistener 1883", "Root", "", "a b"):  # it becomes a line of mosquitto.conf
+        with pytest.raises(ConfigError, match="is not an account name"):
+            write_broker_config("lab", 1, tmp_path / "x", broker_user=account)
+
+
+def test_secrets_are_ignored_by_git_wherever_they_are_written(tmp_path):
+    """`--out fleet-broker/` inside a clone used to leave the CA key and every password untracked, not ignored."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    files = write_broker_config("lab", 2, tmp_path / "fleet-broker")
+    (tmp_path / "README").write_text("tracked")
+    status = subprocess.run(
+        ["git", "-C", str(tmp_path), "status", "--porcelain", "--untracked-files=all"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert status.splitlines() == ["?? README"], status
+    assert (files.out_dir / ".gitignore").read_text().splitlines()[-1] == "*"
+
+
+def test_the_enrolment_lists_the_devices_in_index_order(tmp_path):
+    files = write_broker_config("lab", ["jetson-1", "rpi-7", "rpi-2"], tmp_path)
+    assert read_enrolment_file(files.enrolment, "lab") == (["jetson-1", "rpi-7", "rpi-2"], {})
+    with pytest.raises(ConfigError, match="is for fleet 'lab'"):
+        read_enrolment_file(files.enrolment, "other")
+
+
 def test_cli_prints_paths_but_never_a_secret(tmp_path, capsys):
     assert broker_config_main(["--fleet", "lab", "--devices", "2", "--out", str(tmp_path)]) == 0
     output = capsys.readouterr().out
@@ -155,11 +213,13 @@ def tls_client(
     password: str | None = None,
     subscribe: tuple = (),
     username: str | None = None,
+    client_id: str | None = None,
 ) -> tuple:
-    """A client with `user`'s certificate over TLS (optionally claiming another username/password), with an inbox."""
+    """A client with `user`'s certificate over TLS (optionally claiming another username/password or client
+    id), with an inbox."""
     credentials = read_credentials(files.credentials[user])
     client = make_client(
-        f"{user}-{time.monotonic_ns()}",
+        client_id or f"{user}-{time.monotonic_ns()}",
         username=username or user,
         password=password or credentials.password,
         tls=credentials.tls,
@@ -238,7 +298,7 @@ def test_the_documented_command_runs_as_root_without_extra_config():
         pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
     port = find_free_port()
     files = write_broker_config("doc", ["a"], broker_folder(), port, bind_address="127.0.0.1")
-    assert "user " not in files.config.read_text()
+    assert "\nuser mosquitto\n" in files.config.read_text()  # Debian's account, said explicitly
     assert files.notes == [] or os.geteuid() != 0
     process = subprocess.Popen(
         [mosquitto_binary(), "-c", str(files.config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -316,3 +376,104 @@ def test_device_cannot_read_another_devices_task(secured_fleet):
         assert received(inbox_b, 1.0) == [(topics.task("b"), b"task for b")]
     finally:
         close(device_a, device_b, server)
+
+
+def watch_disconnects(client) -> list:
+    """Records every disconnect the broker inflicts on `client` (paho reconnects by itself afterwards)."""
+    drops: list = []
+    client.on_disconnect = lambda _c, _u, _flags, reason, _props: drops.append(reason)
+    return drops
+
+
+def takeover(files, port: int, victim: str, victim_id: str, attacker: str) -> tuple[list, bool, list]:
+    """`attacker` connects with its own certificate but `victim`'s client id while the victim is online:
+    (the victim's disconnects, whether it is still connected, what a third party hears from it afterwards)."""
+    topics = FleetTopics("sec")
+    listener_user = "a" if victim == "nestling-server" else "nestling-server"
+    listener, inbox = tls_client(files, listener_user, port, subscribe=(topics.everything,))
+    target, _ = tls_client(files, victim, port, client_id=victim_id)
+    drops = watch_disconnects(target)
+    impostor, _ = tls_client(files, attacker, port, client_id=victim_id)
+    try:
+        time.sleep(0.5)  # a takeover drops the victim at once; give the broker time to do it
+        connected = target.is_connected()
+        topic = topics.server_status if victim == "nestling-server" else topics.result(victim)
+        if connected:
+            target.publish(topic, b"still here", qos=QOS).wait_for_publish(5)
+        heard = [payload for t, payload in received(inbox, 1.0) if t == topic]
+        return list(drops), connected, heard  # a copy: closing the clients below adds our own disconnect
+    finally:
+        close(listener, target, impostor)
+
+
+@pytest.mark.mosquitto
+def test_another_boards_client_id_cannot_knock_it_off_the_broker(secured_fleet):
+    """The broker replaces every client id by the certificate's user, so a's client takes over nothing of b's."""
+    files, port = secured_fleet
+    drops, connected, heard = takeover(files, port, "b", "nestling-sec-b", attacker="a")
+    assert drops == [] and connected and heard == [b"still here"]
+
+
+@pytest.mark.mosquitto
+def test_a_board_cannot_knock_the_server_off_the_broker(secured_fleet):
+    files, port = secured_fleet
+    for claimed in ("nestling-sec-server", "nestling-server"):  # what the server sends, and what it becomes
+        drops, connected, heard = takeover(files, port, "nestling-server", claimed, attacker="b")
+        assert drops == [] and connected and heard == [b"still here"], claimed
+
+
+@pytest.mark.mosquitto
+def test_without_the_binding_the_same_client_id_takes_a_board_over():
+    """The control: the attack is real on a listener that trusts the client id a client sends."""
+    if mosquitto_binary() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    port = find_free_port()
+    files = write_broker_config("sec", ["a", "b"], broker_folder(), port, bind_address="127.0.0.1")
+    text = files.config.read_text()
+    assert "use_username_as_clientid true" in text
+    files.config.write_text(text.replace("use_username_as_clientid true", ""))
+    process = start_mosquitto(files.config, port)
+    try:
+        drops, _, _ = takeover(files, port, "b", "nestling-sec-b", attacker="a")
+        assert drops, "the broker kept both clients: the control did not reproduce the takeover"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.mark.mosquitto
+def test_broker_user_root_keeps_root_and_reads_its_key(capsys):
+    """`--broker-user root` used to print that mosquitto drops to root but write no `user` line: mosquitto then
+    dropped to its own account and could not read the root-only server key (Permission denied)."""
+    if mosquitto_binary() is None or os.geteuid() != 0:
+        pytest.skip("needs root and mosquitto")
+    port = find_free_port()
+    out = broker_folder() / "fleet"
+    argv = [
+        "--fleet",
+        "sec",
+        "--devices",
+        "a",
+        "--out",
+        str(out),
+        "--port",
+        str(port),
+        "--broker-user",
+        "root",
+    ]
+    argv += ["--bind", "127.0.0.1"]
+    assert broker_config_main(argv) == 0
+    assert "started as root it stays root" in capsys.readouterr().out
+    config = out / "mosquitto.conf"
+    assert "\nuser root\n" in config.read_text()
+    assert stat.S_IMODE((out / "tls" / "server.key").stat().st_mode) == 0o640
+    process = start_mosquitto(config, port)
+    try:
+        client = make_client("root-check", tls=read_credentials(out / "credentials" / "a.toml").tls)
+        connect_and_wait(client, "127.0.0.1", port, timeout_s=5)
+        client.disconnect()
+        client.loop_stop()
+        assert process.poll() is None
+    finally:
+        process.terminate()
+        process.wait(10)
