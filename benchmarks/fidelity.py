@@ -217,6 +217,7 @@ def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: 
             {
                 "broker": broker_table,
                 "fleet": {"devices": a.devices, "registration_timeout_s": 300.0, "heartbeat_timeout_s": 60.0},
+                "enrolment": {"devices": [device_id(i) for i in range(a.devices)]},
                 "run": {**shared["run"], "out_dir": "fleet"},
                 "data": shared["data"],
                 "model": shared["model"],

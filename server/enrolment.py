@@ -62,14 +62,18 @@ class Enrolment:
         """Whether a message from `device_id` is worth reading at all (open: the seat check comes at admission)."""
         return self.open or device_id in self.devices
 
+    def check(self, device_id: str) -> None:
+        """Refuse (WireError `not_enrolled`) an id a closed enrolment does not list, before anything is read."""
+        if not self.admits(device_id):
+            raise WireError(f"device {device_id!r} is not enrolled in this fleet", reason="not_enrolled")
+
     def admit(self, device_id: str, indices: dict[str, int]) -> Enrolled:
         """The device's enrolment, assigning an open seat in `indices` (id -> index, kept by the registry).
 
         WireError(reason="not_enrolled") for an id outside a closed enrolment or beyond an open one's seats."""
         if not self.open:
-            enrolled = self.devices.get(device_id)
-            if enrolled is None:
-                raise WireError(f"device {device_id!r} is not enrolled in this fleet", reason="not_enrolled")
+            self.check(device_id)
+            enrolled = self.devices[device_id]
             indices[device_id] = enrolled.index
             return enrolled
         if device_id not in indices:
@@ -160,7 +164,8 @@ def enrolment_from_table(
         raise ConfigError(f"[enrolment] open must be true or false, got {is_open!r:.40}")
     if is_open or open_enrolment:
         if "file" in table or "devices" in table:
-            raise ConfigError("[enrolment] is open and lists devices: choose one (drop open, or the list)")
+            asked = "--open-enrolment was given" if open_enrolment else "[enrolment] open = true"
+            raise ConfigError(f"{asked} but [enrolment] also lists devices: choose one (open, or the list)")
         return Enrolment.open_to(seats)
     if "file" in table and "devices" in table:
         raise ConfigError("[enrolment] has both file and devices: list the devices in one place")

@@ -121,7 +121,7 @@ def run_fleet(
     registry = DeviceRegistry(
         out_dir / "registry.json",
         heartbeat_timeout_s=cfg.fleet.heartbeat_timeout_s,
-        allowed=set(cfg.fleet.allowed_devices) or None,
+        enrolment=cfg.enrolment,
     )
     topics = FleetTopics(cfg.broker.fleet)
     clock = WallClock()
@@ -157,6 +157,10 @@ def run_fleet(
             f"server for fleet {topics.fleet} on {cfg.broker.url}: waiting for {cfg.min_devices} devices",
             flush=True,
         )
+        if cfg.enrolment.open:  # also in the log: an open door must never go unnoticed
+            log.warning("%s", cfg.enrolment.describe())
+        else:
+            print(cfg.enrolment.describe(), flush=True)
         ready = transport.wait_for_devices(cfg.min_devices, cfg.fleet.registration_timeout_s)
         if not ready:
             raise NestlingError(f"no device registered within {cfg.fleet.registration_timeout_s:.0f}s")
@@ -221,6 +225,11 @@ def server_main(argv: list[str]) -> int:
     parser.add_argument("--config", type=Path, required=True, help="fleet.toml (see examples/fleet.toml)")
     parser.add_argument("--resume", action="store_true", help="continue after the newest complete checkpoint")
     parser.add_argument(
+        "--open-enrolment",
+        action="store_true",
+        help="admit any device id the broker lets in (up to [fleet] devices) instead of fleet.toml's [enrolment]",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("/etc/systemd/system"),
@@ -237,7 +246,9 @@ def server_main(argv: list[str]) -> int:
     if args.action == "install-service":
         return _install_service(args.config, args.out, args.user)
     try:
-        summary = run_fleet(load_fleet_config(args.config), resume=args.resume)
+        summary = run_fleet(
+            load_fleet_config(args.config, open_enrolment=args.open_enrolment), resume=args.resume
+        )
     except NestlingError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

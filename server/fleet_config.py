@@ -8,8 +8,8 @@ from typing import Any
 
 from nestling.config import SimConfig, config_from_dict
 from nestling.errors import ConfigError
+from nestling.server.enrolment import Enrolment, enrolment_from_table
 from nestling.wire.broker_settings import BrokerSettings, read_table, read_toml
-from nestling.wire.topics import validate_id
 
 # A fleet loses devices mid-round, so its defaults differ from a simulation's (see docs/deploy.md).
 RUN_DEFAULTS: dict[str, Any] = {"over_selection": 1.3, "quorum": 0.6, "deadline_s": 300.0, "eval_every": 1}
@@ -26,7 +26,6 @@ class FleetSection:
     chunk_kb: int = 256
     max_message_mb: int = 128
     stall_s: float = 1.0  # re-request a result's missing chunks after this long without one
-    allowed_devices: list[str] = field(default_factory=list)  # empty: any device the broker lets in
 
 
 EXPORT_MODES = ("off", "requested", "all")
@@ -50,6 +49,7 @@ class FleetConfig:
     fleet: FleetSection
     run: SimConfig  # validated by nestling.config exactly like `nestling simulate`'s
     out_dir: Path
+    enrolment: Enrolment  # who may join, at which index and tier ([enrolment]; server/enrolment.py)
     export: ExportPolicy = field(default_factory=ExportPolicy)
 
     @property
@@ -62,25 +62,61 @@ class FleetConfig:
             **self.run.to_dict(),
             "fleet": vars(self.fleet),
             "export": vars(self.export),
+            "enrolment": self.enrolment.to_dict(),
             "broker": {"url": self.broker.url, "fleet": self.broker.fleet},
         }
 
 
-def fleet_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> FleetConfig:
-    unknown = sorted(set(data) - {"broker", "fleet", "run", "data", "model", "method", "train", "export"})
-    if unknown:
+SECTIONS = ("broker", "fleet", "enrolment", "run", "data", "model", "method", "train", "export")
+
+
+def _enrolment(
+    data: dict[str, Any], base: Path, fleet: FleetSection, name: str, open_enrolment: bool
+) -> Enrolment:
+    """[enrolment], required: the fleet's devices, or an explicit open door. Sets [fleet] devices when omitted."""
+    fleet_table = data.get("fleet", {})
+    enrolment = enrolment_from_table(
+        data.get("enrolment", {}),
+        base,
+        fleet=name,
+        seats=fleet.devices if "devices" in fleet_table else None,
+        open_enrolment=open_enrolment,
+    )
+    if enrolment is None:
         raise ConfigError(
-            f"unknown fleet config sections {unknown} "
-            "(known: broker, fleet, run, data, model, method, train, export)"
+            "fleet.toml has no [enrolment]: list the fleet's devices (devices = [...], or file = the "
+            "enrolment.toml `nestling broker-config` wrote), or let any device in with open = true "
+            "(or nestling server --open-enrolment)"
         )
+    if enrolment.open and enrolment.capacity is None:
+        enrolment.capacity = fleet.devices
+    if not enrolment.open:
+        if "devices" not in fleet_table:
+            fleet.devices = len(enrolment.devices)
+        elif fleet.devices != len(enrolment.devices):
+            raise ConfigError(
+                f"[fleet] devices = {fleet.devices} but the enrolment ({enrolment.source}) lists "
+                f"{len(enrolment.devices)}: drop [fleet] devices (the enrolment sets it) or enrol the rest"
+            )
+    return enrolment
+
+
+def fleet_config_from_dict(
+    data: dict[str, Any], base: Path = Path("."), *, open_enrolment: bool = False
+) -> FleetConfig:
+    """A fleet.toml's tables, checked; `open_enrolment` is `nestling server --open-enrolment`."""
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown fleet config sections {unknown} (known: {', '.join(SECTIONS)})")
+    if "allowed_devices" in data.get("fleet", {}):
+        raise ConfigError("[fleet] allowed_devices is now [enrolment] devices (their order sets the indices)")
     broker = BrokerSettings.from_table(data.get("broker", {}), base)
     fleet = read_table(FleetSection, "fleet", data.get("fleet", {}))
     if fleet.devices < 1 or fleet.min_devices < 0 or fleet.round_min_devices < 1:
         raise ConfigError("[fleet] devices and round_min_devices must be >= 1, min_devices >= 0")
     if fleet.chunk_kb < 1 or fleet.max_message_mb < 1 or fleet.stall_s <= 0 or fleet.heartbeat_timeout_s <= 0:
         raise ConfigError("[fleet] chunk_kb, max_message_mb, stall_s and heartbeat_timeout_s must be > 0")
-    for device_id in fleet.allowed_devices:
-        validate_id(device_id, "[fleet] allowed_devices entry")
+    enrolment = _enrolment(data, base, fleet, broker.fleet, open_enrolment)
     export = read_table(ExportPolicy, "export", data.get("export", {}))
     if export.on_finish not in EXPORT_MODES or export.timeout_s <= 0:
         raise ConfigError(f"[export] on_finish must be one of {', '.join(EXPORT_MODES)} and timeout_s > 0")
@@ -110,9 +146,11 @@ def fleet_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Flee
         raise ConfigError("[run] deadline_s must be > 0: a fleet round cannot wait forever for a lost device")
     if not isinstance(out_dir, str):
         raise ConfigError("[run] out_dir must be a string")
-    return FleetConfig(broker, fleet, sim, (base / out_dir).resolve(), export)
+    return FleetConfig(broker, fleet, sim, (base / out_dir).resolve(), enrolment, export)
 
 
-def load_fleet_config(path: Path) -> FleetConfig:
-    """Read fleet.toml; relative paths (out_dir, credentials) are taken from the file's folder."""
-    return fleet_config_from_dict(read_toml(Path(path), "fleet config"), Path(path).resolve().parent)
+def load_fleet_config(path: Path, *, open_enrolment: bool = False) -> FleetConfig:
+    """Read fleet.toml; relative paths (out_dir, credentials, enrolment file) are taken from the file's folder."""
+    return fleet_config_from_dict(
+        read_toml(Path(path), "fleet config"), Path(path).resolve().parent, open_enrolment=open_enrolment
+    )

@@ -64,6 +64,8 @@ def fleet_toml(url: str, args: argparse.Namespace) -> str:
         [fleet]
         devices = {len(BOARD_CLASSES)}
         registration_timeout_s = 180
+        [enrolment]  # the demo's four boards, nobody else (their order is their index)
+        devices = [{", ".join(f'"board-{i}"' for i in range(len(BOARD_CLASSES)))}]
         [run]
         rounds = {args.rounds}
         deadline_s = {DEADLINE_S}

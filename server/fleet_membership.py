@@ -47,6 +47,7 @@ class FleetMembership:
         return self.registry.known(device_id)
 
     def on_hello(self, device_id: str, payload: bytes, arrived: float) -> None:
+        self.registry.enrolment.check(device_id)  # a stranger is refused before its hello is even decoded
         sender, profile = decode_hello(payload)
         if sender != device_id:
             raise WireError(f"hello on {device_id}'s topic names device {sender!r}")
@@ -76,7 +77,9 @@ class FleetMembership:
         self._on_gone(device_id)
 
     def rehello(self, device_id: str) -> None:
-        """Ask an unknown board to register again (throttled per device)."""
+        """Ask an unknown board to register again (throttled per device); never a device that is not enrolled."""
+        if not self.registry.enrolment.admits(device_id):
+            return
         now = time.monotonic()
         if now - self._rehello_at.get(device_id, -1e9) >= self.rehello_every_s:
             if len(self._rehello_at) > 10_000:  # a flood of made-up device ids must not grow this forever

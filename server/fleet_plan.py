@@ -93,17 +93,18 @@ def registered_devices(run_dir: Path) -> list[DeviceInfo]:
             board = (
                 None if entry.get("board_profile") is None else parse_board_profile(entry["board_profile"])
             )
-            profile: dict[str, Any] = {} if entry.get("tier") is None else {"tier": int(entry["tier"])}
+            tier = entry.get("tier")
             labels = entry.get("labels")
             out.append(
                 DeviceInfo(
                     device_id,
                     int(entry["index"]),
                     int(entry["num_samples"]),
-                    profile=profile,
+                    profile={},
                     memory_budget_bytes=entry.get("memory_budget_bytes"),
                     labels=None if labels is None else tuple(int(x) for x in labels),
                     board=board,
+                    tier=None if tier is None else int(tier),
                 )
             )
         except (ProfileError, KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -128,7 +129,7 @@ def fleet_plan(strategy: Strategy, devices: list[DeviceInfo], round_index: int) 
             reason = plan["reason"]
         elif device.memory_budget_bytes is not None:
             reason = "hand-set budget"
-        elif "tier" in (device.profile or {}):
+        elif device.tier is not None:
             reason = "pinned"
         else:
             reason = "no profile"  # sized as the method sizes unprofiled boards (by index, by tier, or not)

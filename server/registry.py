@@ -11,6 +11,7 @@ from typing import Any
 
 from nestling.errors import WireError
 from nestling.profiler.board_profile import BoardProfile, ProfileError, parse_board_profile
+from nestling.server.enrolment import Enrolment
 from nestling.server.strategies.base import DeviceInfo
 
 log = logging.getLogger("nestling.registry")
@@ -76,17 +77,23 @@ def emulated_class(profile: dict[str, Any] | None) -> str | None:
 
 
 class DeviceRegistry:
-    """Devices by id. Indices (tiers, seeds) are kept in `path` so a resumed server gives every device the
-    same index; a device may ask for its own index (its data partition) in the hello."""
+    """Devices by id. Who may register, at which index and tier, is the enrolment's word (server/enrolment.py),
+    never the hello's; an open enrolment's indices are kept in `path` so a resumed server gives every device the
+    same index."""
 
     def __init__(
-        self, path: Path | None = None, *, heartbeat_timeout_s: float = 30.0, allowed: set[str] | None = None
+        self,
+        path: Path | None = None,
+        *,
+        heartbeat_timeout_s: float = 30.0,
+        enrolment: Enrolment | None = None,
     ) -> None:
         self.path = path
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.allowed = allowed
+        self.enrolment = enrolment if enrolment is not None else Enrolment.open_to(None)
         self.records: dict[str, DeviceRecord] = {}
-        self.indices: dict[str, int] = self._load()
+        # A closed enrolment is the only source of indices; an open one keeps the seats of earlier runs.
+        self.indices: dict[str, int] = self._load() if self.enrolment.open else {}
 
     def _load(self) -> dict[str, int]:
         if self.path is None or not self.path.is_file():
@@ -109,7 +116,7 @@ class DeviceRegistry:
                 "num_samples": r.info.num_samples,
                 "memory_budget_bytes": r.info.memory_budget_bytes,
                 # what sizing reads, so `nestling plan --fleet RUN_DIR` plans these boards as the server does
-                "tier": (r.info.profile or {}).get("tier"),
+                "tier": r.info.tier,
                 "labels": None if r.info.labels is None else list(r.info.labels),
                 "board_profile": None if r.info.board is None else r.info.board.to_dict(),
                 "emulating": emulated_class(r.info.profile),
@@ -119,51 +126,45 @@ class DeviceRegistry:
         tmp.write_text(json.dumps({"indices": self.indices, "devices": devices}, indent=1, sort_keys=True))
         os.replace(tmp, self.path)
 
-    def _index_for(self, device_id: str, wanted: int | None) -> int:
-        if device_id in self.indices:
-            return self.indices[device_id]
-        taken = set(self.indices.values())
-        index = (
-            wanted
-            if wanted is not None and wanted not in taken
-            else next(i for i in range(len(taken) + 1) if i not in taken)
-        )
-        self.indices[device_id] = index
-        self._save()
-        return index
-
     def register(self, device_id: str, profile: dict[str, Any], now: float) -> DeviceInfo:
-        """Admit (or refresh) a device from its hello; WireError when the profile is unusable."""
-        if self.allowed is not None and device_id not in self.allowed:
-            raise WireError(f"device {device_id!r} is not in this fleet's allowed devices")
+        """Admit (or refresh) a device from its hello; WireError when it is not enrolled or its profile is
+        unusable. The hello's own `index` and `tier` are ignored: a board claiming another's index used to
+        move every other board up a tier."""
+        self.enrolment.check(device_id)
         num_samples = _optional_int(profile, "num_samples", 0)
         if num_samples is None:
             raise WireError("hello lacks 'num_samples'")
         budget = _optional_int(profile, "memory_budget_bytes", 1)
-        wanted = _optional_int(profile, "index", 0)
+        _optional_int(profile, "index", 0)  # still checked: a hostile value is refused, not carried along
         labels = _labels(profile)
         board = _board(profile)
         if not isinstance(profile.get("profiling", False), bool):
             raise WireError("hello field 'profiling' must be true or false", reason="bad_profile")
+        indices_before = dict(self.indices)
+        enrolled = self.enrolment.admit(
+            device_id, self.indices
+        )  # after validation: a refused hello takes no seat
         info = DeviceInfo(
             device_id,
-            self._index_for(device_id, wanted),
+            enrolled.index,
             num_samples,
             profile=profile,
             memory_budget_bytes=budget,
             labels=labels,
             board=board,
+            tier=enrolled.tier,
         )
         previous = self.records.get(device_id)
         self.records[device_id] = DeviceRecord(info, online=True, last_seen=now)
-        if previous is None or previous.info.profile != info.profile:
+        if previous is None or previous.info.profile != info.profile or self.indices != indices_before:
             self._save()
         if previous is None:
             emulating = emulated_class(profile)
             log.info(
-                "registered %s (index %d, %d samples, budget %s bytes%s)",
+                "registered %s (index %d%s, %d samples, budget %s bytes%s)",
                 device_id,
                 info.index,
+                "" if info.tier is None else f", enrolled tier {info.tier}",
                 num_samples,
                 budget,
                 f", emulating {emulating}" if emulating else "",

@@ -39,6 +39,7 @@ class DeviceInfo:
     memory_budget_bytes: int | None = None
     labels: tuple[int, ...] | None = None  # classes present in the device's data (HeteroFL masking)
     board: BoardProfile | None = None  # what the board measured (its hello's board_profile, validated)
+    tier: int | None = None  # pinned by the server's enrolment (server/enrolment.py), never by the board
 
 
 @dataclass
@@ -229,7 +230,7 @@ class Strategy(ABC):
         its tier. The choice and its reason are kept for the round's record (`plan_report`)."""
         budget = device_memory_budget(device.memory_budget_bytes, device.profile)
         board = self.board_of(device)
-        if budget is None and (device.profile or {}).get("tier") is not None:
+        if budget is None and device.tier is not None:
             if board is not None:
                 self._sizing[device.device_id] = (Fit(-1, PINNED, 0, None), "")
             return None
@@ -283,7 +284,7 @@ class Strategy(ABC):
         """Whether `fit_by_budget` sizes this device (a budget, or a profile without a pinned tier)."""
         if device_memory_budget(device.memory_budget_bytes, device.profile) is not None:
             return True
-        return self.board_of(device) is not None and (device.profile or {}).get("tier") is None
+        return self.board_of(device) is not None and device.tier is None
 
     # -- the closed loop: plans, predictions, feedback ----------------------------------------------
     def plan_report(

@@ -84,8 +84,8 @@ class DynamicFL(Strategy):
                 inner_width=None if inner is None else int(inner),
                 limit=None if limit is None else int(limit),
             )
-        if device.profile and "tier" in device.profile:
-            return self.capacities[min(int(device.profile["tier"]), len(self.capacities) - 1)]
+        if device.tier is not None:
+            return self.capacities[min(device.tier, len(self.capacities) - 1)]
         per_tier = max(1.0, self.ctx.num_clients / len(self.capacities))
         return self.capacities[min(int(device.index // per_tier), len(self.capacities) - 1)]
 

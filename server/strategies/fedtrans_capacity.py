@@ -9,7 +9,7 @@ compute figure; here, in order of precedence:
    for the trace's `device_class` (replay). T_c = MACs(seed) × speed / speed(reference board), so a board
    k times faster than the reference (default the catalogue's slowest, rpi4) affords a k times costlier model
    in the same round time, and the reference board exactly the seed model.
-3. A pinned `profile["tier"]`, else equal contiguous tiers by client index: `capacities` are multiples of the
+3. A tier pinned by the enrolment (`device.tier`), else equal contiguous tiers by client index: `capacities` are multiples of the
    seed model's MACs (default 1…32, the ≥29× spread of METHODS §4.c's small-scale target).
 
 A registered memory budget is a second, independent limit: a model is compatible only if its estimated
@@ -85,8 +85,8 @@ def capacity_of(
     gflops = device_gflops(profile)
     if gflops is not None:
         return Capacity(seed_macs * gflops / reference, memory, "speed")
-    if "tier" in profile:
-        tier = int(profile["tier"])
+    if device.tier is not None:
+        tier = device.tier
     else:
         per_tier = max(1.0, num_clients / len(tiers))
         tier = int(device.index // per_tier)

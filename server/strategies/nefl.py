@@ -60,13 +60,13 @@ class NeFL(Strategy):
         return len(self.specs)
 
     def tier_of(self, device: DeviceInfo) -> int:
-        """Contiguous equal tiers by client index (METHODS §2.a.5), the device's profile tier, or the largest
+        """Contiguous equal tiers by client index (METHODS §2.a.5), the device's enrolled tier, or the largest
         submodel that fits the memory budget it registered (profiler.planner)."""
         fitted = self.fit_by_budget(device, self.specs)
         if fitted is not None:
             return fitted
-        if device.profile and "tier" in device.profile:
-            return min(int(device.profile["tier"]), self.num_submodels - 1)
+        if device.tier is not None:
+            return min(device.tier, self.num_submodels - 1)
         per_tier = max(1, self.ctx.num_clients / self.num_submodels)
         return min(int(device.index // per_tier), self.num_submodels - 1)
 

@@ -141,7 +141,9 @@ def fleet_toml(
     method_options: str = "flex = 0",
     extra_fleet: str = "",
     extra_run: str = "",
+    enrolment: str = "open = true",
 ) -> str:
+    """A fleet.toml; `enrolment` is its [enrolment] table's body (open unless a test lists the devices)."""
     return textwrap.dedent(f"""\
         [broker]
         url = "{url}"
@@ -152,6 +154,8 @@ def fleet_toml(
         heartbeat_timeout_s = 15
         registration_timeout_s = 120
         {extra_fleet}
+        [enrolment]
+        {enrolment}
         [run]
         rounds = {rounds}
         deadline_s = {deadline_s}

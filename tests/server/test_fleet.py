@@ -80,7 +80,14 @@ def test_a_fleet_runs_over_tls_with_the_generated_broker_config(tmp_path):
     config = tmp_path / "fleet.toml"
     # the url comes from the credentials file (mqtts://localhost:<port>, checked against the broker's certificate)
     config.write_text(
-        fleet_toml("", "secure", devices=2, rounds=2, credentials=str(files.credentials["nestling-server"]))
+        fleet_toml(
+            "",
+            "secure",
+            devices=2,
+            rounds=2,
+            credentials=str(files.credentials["nestling-server"]),
+            enrolment=f'file = "{files.enrolment}"',  # what broker-config wrote beside the certificates
+        )
     )
     agents = start_agents(tmp_path, "", "secure", 2, credentials=files.credentials)
     try:
