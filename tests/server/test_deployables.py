@@ -25,8 +25,8 @@ from nestling.wire.export_messages import ExportReport
 ASKS = {"export": {"on_finish": True, "format": "onnx"}}
 
 
-def device(device_id: str, index: int, **profile) -> DeviceInfo:
-    return DeviceInfo(device_id, index, 50, profile=profile or None)
+def device(device_id: str, index: int, tier: int | None = None, **profile) -> DeviceInfo:
+    return DeviceInfo(device_id, index, 50, profile=profile or None, tier=tier)
 
 
 @pytest.mark.parametrize(
@@ -156,8 +156,11 @@ def test_the_summary_lists_every_registered_device_reported_or_not(make_ctx):
 
 
 def test_fleet_toml_export_table(tmp_path):
-    assert fleet_config_from_dict({}, tmp_path).export.on_finish == "off"
-    config = fleet_config_from_dict({"export": {"on_finish": "requested", "timeout_s": 30}}, tmp_path)
+    opened = {"enrolment": {"open": True}}
+    assert fleet_config_from_dict(opened, tmp_path).export.on_finish == "off"
+    config = fleet_config_from_dict(
+        {**opened, "export": {"on_finish": "requested", "timeout_s": 30}}, tmp_path
+    )
     assert (config.export.on_finish, config.export.timeout_s) == ("requested", 30.0)
     assert config.to_dict()["export"] == {"on_finish": "requested", "timeout_s": 30.0}
     for table, message in (
@@ -166,4 +169,4 @@ def test_fleet_toml_export_table(tmp_path):
         ({"format": "onnx"}, "unknown keys"),
     ):
         with pytest.raises(ConfigError, match=message):
-            fleet_config_from_dict({"export": table}, tmp_path)
+            fleet_config_from_dict({**opened, "export": table}, tmp_path)

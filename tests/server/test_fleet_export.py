@@ -23,6 +23,7 @@ from nestling.hashing import sha256_file
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.clock import WallClock
 from nestling.server.deployables import export_orders
+from nestling.server.enrolment import Enrolment
 from nestling.server.fleet import run_fleet
 from nestling.server.fleet_config import load_fleet_config
 from nestling.server.mqtt_transport import MqttTransport, TransportSettings
@@ -121,13 +122,13 @@ def exchange():
         transport = MqttTransport(
             client,
             topics,
-            DeviceRegistry(heartbeat_timeout_s=30),
+            DeviceRegistry(heartbeat_timeout_s=30, enrolment=Enrolment.closed(["board-a"], {"board-a": 0})),
             WallClock(),
             TransportSettings(chunk_size=1024, stall_s=0.3, device_wait_s=5),
         )
         transport.connect(broker.host, broker.port)
         board = FakeDevice(broker.host, broker.port, "scripted", "board-a")
-        board.hello(tier=0, export={"on_finish": True, "format": "onnx"})
+        board.hello(export={"on_finish": True, "format": "onnx"})
         (info,) = transport.wait_for_devices(1, 5)
         ctx = StrategyContext(
             arch="tinycnn", num_classes=10, in_channels=1, image_size=16, num_clients=2, total_rounds=1
@@ -244,13 +245,13 @@ def test_an_order_lost_whole_is_sent_again_when_the_board_registers_anew_until_i
     transport.send_exports([order])
     read_order(board)  # the board restarts before exporting: the order is gone with it
     board.inbound = Inbound(256 * 1024 * 1024)
-    board.hello(tier=0, export={"on_finish": True, "format": "onnx"})
+    board.hello(export={"on_finish": True, "format": "onnx"})
     pump_until(transport, lambda: transport.counters.get("export_orders_resent", 0) == 1)
     received, session = read_order(board)
     assert (received.order_id, session) == (order.order_id, transport.session)
     board.publish("result", encode_export_report(good_report(order), transport.session))
     assert transport.wait_exports(5)["board-a"].status == "ok"
-    board.hello(tier=0, export={"on_finish": True, "format": "onnx"})  # reported: nothing more to send
+    board.hello(export={"on_finish": True, "format": "onnx"})  # reported: nothing more to send
     pump_until(transport, lambda: transport.registry.known("board-a"))
     transport.wait_for_devices(10**6, 0.5)
     assert transport.counters["export_orders_resent"] == 1

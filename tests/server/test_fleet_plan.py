@@ -12,6 +12,7 @@ import nestling.profiler.demo_boards as demo_boards
 from nestling.edge.emulation import EmulationTarget
 from nestling.edge.self_profile import ProfileInputs, emulated_profile
 from nestling.server.checkpoint import save_strategy_checkpoint
+from nestling.server.enrolment import Enrolment
 from nestling.server.fleet_plan import write_run_file
 from nestling.server.plan_cli import plan_main
 from nestling.server.registry import DeviceRegistry
@@ -31,15 +32,17 @@ def demo_strategy(deadline_s: float = 30.0, train_share: float = 0.029 * SAMPLES
 
 def register_fleet(run: Path, strategy: Strategy) -> DeviceRegistry:
     """The demo's four emulated classes say hello with their profiles, plus a board with a hand-set budget
-    and one with a pinned tier, through the server's registry (it writes registry.json)."""
-    registry = DeviceRegistry(run / "registry.json")
+    and one whose tier the enrolment pins, through the server's registry (it writes registry.json)."""
+    boards = [f"board-{index}" for index in range(len(demo_boards.DEMO_BOARDS))]
+    enrolment = Enrolment.closed([*boards, "budgeted", "pinned"], {"pinned": 1})
+    registry = DeviceRegistry(run / "registry.json", enrolment=enrolment)
     for index, board in enumerate(demo_boards.DEMO_BOARDS):
         inputs = ProfileInputs(strategy.full_spec.to_dict(), 32, "cpu", 0.2, board.name)
         profile = emulated_profile(inputs, EmulationTarget.of_board(board)).to_dict()
         hello = {"num_samples": 360, "index": index, "board_profile": profile}
         registry.register(f"board-{index}", hello, 0.0)
     registry.register("budgeted", {"num_samples": 360, "memory_budget_bytes": 11 * 2**20}, 0.0)
-    registry.register("pinned", {"num_samples": 360, "tier": 1}, 0.0)
+    registry.register("pinned", {"num_samples": 360}, 0.0)
     return registry
 
 

@@ -75,7 +75,7 @@ def registered(transport, device, **profile):
 
 
 def dispatch_one(transport, device, strategy) -> tuple[Task, str]:
-    info = registered(transport, device, tier=0)
+    info = registered(transport, device)  # index 0: the smallest tier
     task = strategy.assign(0, [info])[device.device_id]
     transport.dispatch([task])
     received, session = device.next_task()
@@ -100,9 +100,9 @@ def pump_until(transport, condition, timeout=5.0) -> None:
 
 
 def test_hello_registers_the_device_with_its_profile(transport, device):
-    info = registered(transport, device, memory_budget_bytes=64 << 20, labels=[3, 1, 1], index=4)
-    assert (info.index, info.num_samples, info.memory_budget_bytes, info.labels) == (4, 100, 64 << 20, (1, 3))
-    assert info.profile["index"] == 4
+    info = registered(transport, device, memory_budget_bytes=64 << 20, labels=[3, 1, 1], index=4, tier=2)
+    assert (info.num_samples, info.memory_budget_bytes, info.labels) == (100, 64 << 20, (1, 3))
+    assert (info.index, info.tier) == (0, None)  # the enrolment's seat, not what the hello claimed
 
 
 def test_a_chunked_task_arrives_whole_and_its_echo_is_accepted_once(transport, device, strategy):

@@ -118,7 +118,7 @@ def test_without_budgets_capacities_are_equal_tiers_by_client_index() -> None:
     strategy = create_strategy("dynamicfl", _strategy_ctx())
     tiers = [strategy.capacity_of(DeviceInfo(f"d{i}", index=i, num_samples=1)) for i in range(9)]
     assert tiers == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    pinned = DeviceInfo("p", index=0, num_samples=1, profile={"tier": 2})
+    pinned = DeviceInfo("p", index=0, num_samples=1, tier=2)
     assert strategy.capacity_of(pinned) == 2
 
 

@@ -268,7 +268,7 @@ def test_capacity_comes_from_a_declared_budget_the_boards_speed_or_its_tier() ->
     declared = DeviceInfo("a", 0, 10, profile={"budget": {"macs": 5e6}})
     emulated = DeviceInfo("b", 0, 10, profile={"emulating": {"class": "x", "gflops": 4 * rpi4}})
     replayed = DeviceInfo("c", 0, 10, profile={"device_class": "jetson-agx-orin"}, memory_budget_bytes=7)
-    pinned = DeviceInfo("d", 5, 10, profile={"tier": 1})
+    pinned = DeviceInfo("d", 5, 10, tier=1)
     by_index = DeviceInfo("e", 5, 10)
     assert capacity_of(declared, seed, [1, 8], 6, rpi4) == Capacity(5e6, None, "budget")
     assert capacity_of(emulated, seed, [1, 8], 6, rpi4) == Capacity(4 * seed, None, "speed")

@@ -87,7 +87,7 @@ def test_a_hand_set_budget_wins_over_measured_memory_and_a_pinned_tier_over_both
     assert strategy.tier_of(fast) == len(strategy.specs) - 1  # its measured memory holds the full model
     budget = estimate(strategy.specs[1], 32).training_bytes
     assert strategy.tier_of(replace(fast, memory_budget_bytes=budget)) == 1
-    pinned = replace(fast, profile={"tier": 0})
+    pinned = replace(fast, tier=0)  # pinned by the enrolment
     assert strategy.tier_of(pinned) == 0
     tasks = strategy.assign(0, [pinned])
     plans, _ = strategy.plan_report(0, [pinned], tasks)
