@@ -18,9 +18,6 @@ class DeviceSection:
     memory_budget_mb: float | None = (
         None  # what training may use on this board; the server picks the submodel
     )
-    tier: int | None = (
-        None  # pin a submodel tier (the budget is then not sent: strategies size by budget first)
-    )
     torch_device: str = "cpu"  # "cuda" on a Jetson
     threads: int = 1  # torch intra-op threads (more than the cores collapses throughput)
     # Emulate a slower board (a loopback fleet replaying a trace): a catalogue class, or one trace device.
@@ -81,6 +78,11 @@ def agent_config_from_dict(data: dict[str, Any], base: Path = Path(".")) -> Agen
     broker_table = data.get("broker", {})
     if not isinstance(broker_table, dict):
         raise ConfigError("[broker] must be a table")
+    if isinstance(data.get("device"), dict) and "tier" in data["device"]:
+        raise ConfigError(
+            "[device] tier: a board no longer picks its own tier; pin it on the server, in fleet.toml "
+            "[enrolment] tiers (or the enrolment file's [tiers])"
+        )
     config = AgentConfig(
         broker=BrokerSettings.from_table(broker_table, base),
         device=read_table(DeviceSection, "device", data.get("device", {})),

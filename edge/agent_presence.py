@@ -45,9 +45,7 @@ class AgentPresence:
             **self.monitor.profile(),
         }
         cap = self.profiling.memory_cap
-        if device.tier is not None:  # pinned: strategies size by budget first, so the budget stays home
-            profile["tier"] = device.tier
-        elif device.memory_budget_mb is not None:  # a hand-set budget wins over what the board measured
+        if device.memory_budget_mb is not None:  # a hand-set budget wins over what the board measured
             budget = int(device.memory_budget_mb * 1024 * 1024)
             profile["memory_budget_bytes"] = budget if cap is None else min(budget, cap)
         if device.profile:

@@ -226,11 +226,12 @@ class Strategy(ABC):
         """Index of the largest spec that fits the device (profiler.fit.fit_member): its estimated training
         memory within the registered budget (or what the board measured), and, when the board sent a profile
         and the run has a deadline, its predicted local training time within the deadline's training share.
-        The cheapest when none fits; None when the device registered neither a budget nor a profile, or pinned
-        its tier. The choice and its reason are kept for the round's record (`plan_report`)."""
+        The cheapest when none fits; None when the device registered neither a budget nor a profile, or the
+        enrolment pinned its tier (the operator's word wins over what a board says of itself). The choice and
+        its reason are kept for the round's record (`plan_report`)."""
         budget = device_memory_budget(device.memory_budget_bytes, device.profile)
         board = self.board_of(device)
-        if budget is None and device.tier is not None:
+        if device.tier is not None:
             if board is not None:
                 self._sizing[device.device_id] = (Fit(-1, PINNED, 0, None), "")
             return None

@@ -130,7 +130,7 @@ def small_task():
         local={"local_steps": 2, "batch_size": 8},
     )
     strategy = create_strategy("nefl-wd", ctx)
-    device = DeviceInfo(DEVICE, 2, 40, profile={"tier": 0})
+    device = DeviceInfo(DEVICE, 2, 40, tier=0)
     return strategy.assign(0, [device])[DEVICE], strategy
 
 
@@ -213,8 +213,10 @@ def test_heartbeats_are_retained_status_messages(agent, server):
 
 
 def test_agent_config_errors_name_the_key():
-    with pytest.raises(ConfigError, match=r"\[device\] tier must be int"):
-        agent_config_from_dict({"device": {"id": "a", "tier": "big"}})
+    with pytest.raises(
+        ConfigError, match=r"\[device\] tier: a board no longer picks its own tier.*\[enrolment\]"
+    ):
+        agent_config_from_dict({"device": {"id": "a", "tier": 1}})
     with pytest.raises(ConfigError, match="client_index"):
         agent_config_from_dict({"device": {"id": "a"}, "data": {"client_index": 4, "num_clients": 4}})
     with pytest.raises(ConfigError, match="unknown keys"):

@@ -48,7 +48,7 @@ def nefl_order(device_id: str = "board-1", tier: int = 1) -> ExportOrder:
         dataset="digits",
     )
     strategy = create_strategy("nefl-wd", ctx)
-    board = DeviceInfo(device_id, 0, 100, profile={"tier": tier})
+    board = DeviceInfo(device_id, 0, 100, tier=tier)
     return export_orders(strategy, [board], 1, "all")[0]
 
 
@@ -176,7 +176,7 @@ def test_the_agent_exports_on_its_worker_and_answers_a_repeated_order_without_re
     config = agent_config_from_dict(
         {
             "broker": {"url": broker.url, "fleet": "boards"},
-            "device": {"id": "board-1", "tier": 1},
+            "device": {"id": "board-1"},
             "agent": {"heartbeat_s": 0.3, "stall_s": 0.3},
             "export": {"on_finish": True, "out_dir": str(tmp_path / "bundle"), "calib_data": "none"},
         }

@@ -16,9 +16,12 @@ from tests.server.fleet_harness import fleet_toml, metrics, start_agents, stop_a
 AGENTS = 5
 
 
-def run_three_rounds(tmp_path, url: str, fleet: str) -> dict:
+ENROLLED = "devices = [" + ", ".join(f'"dev-{i}"' for i in range(AGENTS)) + "]"
+
+
+def run_three_rounds(tmp_path, url: str, fleet: str, enrolment: str = ENROLLED) -> dict:
     config = tmp_path / "fleet.toml"
-    config.write_text(fleet_toml(url, fleet, devices=AGENTS, rounds=3))
+    config.write_text(fleet_toml(url, fleet, devices=AGENTS, rounds=3, enrolment=enrolment))
     # tinycnn at batch 16 needs ~0.96/1.13/1.30/1.33/1.33 MB per NeFL tier (profiler.planner), so these budgets buy
     # k1, k2, k3 and (twice) one of the two equally sized largest submodels.
     agents = start_agents(tmp_path, url, fleet, AGENTS, budgets=[1.0, 1.2, 1.31, 2.0, 64.0])
@@ -45,10 +48,14 @@ def check_run(tmp_path, summary: dict) -> None:
     assert sorted(trained_by["k4"] + trained_by["k5"]) == ["dev-3", "dev-4"]
 
 
-def test_server_and_five_agents_complete_three_rounds_on_the_embedded_broker(tmp_path):
+def test_server_and_five_agents_complete_three_rounds_on_the_embedded_broker(tmp_path, capsys):
     with EmbeddedBroker() as broker:
         summary = run_three_rounds(tmp_path, broker.url, "e2e")
     check_run(tmp_path, summary)
+    assert (
+        "enrolment: 5 devices from fleet.toml [enrolment]; any other id is refused" in capsys.readouterr().out
+    )
+    assert summary["config"]["enrolment"]["devices"] == [f"dev-{i}" for i in range(AGENTS)]
     registry = json.loads((tmp_path / "out" / "registry.json").read_text())["devices"]
     assert sorted(registry) == [f"dev-{i}" for i in range(AGENTS)]
     assert registry["dev-4"]["memory_budget_bytes"] == 64 * 1024 * 1024
@@ -58,11 +65,13 @@ def test_server_and_five_agents_complete_three_rounds_on_the_embedded_broker(tmp
 @pytest.mark.skipif(
     mosquitto_binary() is None, reason="mosquitto is not installed (apt-get install mosquitto)"
 )
-def test_server_and_five_agents_complete_three_rounds_on_mosquitto(tmp_path):
+def test_server_and_five_agents_complete_three_rounds_on_mosquitto(tmp_path, caplog):
+    """An open enrolment, as an operator must ask for it: the server says so at start."""
     port = find_free_port()
     broker = start_mosquitto(None, port)
     try:
-        summary = run_three_rounds(tmp_path, f"mqtt://127.0.0.1:{port}", "e2e-mosquitto")
+        summary = run_three_rounds(tmp_path, f"mqtt://127.0.0.1:{port}", "e2e-mosquitto", "open = true")
+        assert "enrolment OPEN: the first 5 device ids the broker lets in may join" in caplog.text
     finally:
         broker.terminate()
         broker.wait(10)

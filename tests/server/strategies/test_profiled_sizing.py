@@ -89,6 +89,7 @@ def test_a_hand_set_budget_wins_over_measured_memory_and_a_pinned_tier_over_both
     assert strategy.tier_of(replace(fast, memory_budget_bytes=budget)) == 1
     pinned = replace(fast, tier=0)  # pinned by the enrolment
     assert strategy.tier_of(pinned) == 0
+    assert strategy.tier_of(replace(pinned, memory_budget_bytes=10**12)) == 0  # whatever budget it claims
     tasks = strategy.assign(0, [pinned])
     plans, _ = strategy.plan_report(0, [pinned], tasks)
     assert plans[pinned.device_id]["reason"] == PINNED
