@@ -238,7 +238,7 @@ class Strategy(ABC):
         if budget is None and board is None:
             return None
         if board is None:  # a hand-set budget only: the planner's rule as it always was
-            return member_for_budget(specs, budget, self.batch_size)  # type: ignore[arg-type]
+            return member_for_budget(specs, budget, self.batch_size)
         previous = self._chosen.get(device.device_id)
         current = next((k for k, s in enumerate(specs) if s.id == previous), None)
         fit = fit_member(
