@@ -25,7 +25,7 @@ ENROLMENT_KEYS = ("file", "devices", "tiers", "open")
 
 @dataclass(frozen=True)
 class Enrolled:
-    """One admitted device: its stable index (data share, tiers by index, seeds) and its pinned tier if any."""
+    """One admitted device: its stable index (tiers by index, seeds) and its pinned tier if any."""
 
     device_id: str
     index: int
@@ -189,7 +189,7 @@ def enrolment_toml(fleet: str, device_ids: list[str]) -> str:
     return (
         f"# Devices enrolled in Nestling fleet {fleet!r}, written by `nestling broker-config`.\n"
         '# Point the server at it: fleet.toml [enrolment] file = "<this file>". The server refuses any other\n'
-        "# device id. A device's index (its data share, its tier where a method tiers by index) is its place\n"
+        "# device id. A device's index (its seeds, its tier where a method tiers by index) is its place\n"
         "# in this list: append new boards at the end.\n"
         f'fleet = "{fleet}"\n'
         f"devices = [\n{listed}\n]\n\n"
