@@ -235,10 +235,8 @@ class Strategy(ABC):
             if board is not None:
                 self._sizing[device.device_id] = (Fit(-1, PINNED, 0, None), "")
             return None
-        if budget is None and board is None:
-            return None
-        if board is None:  # a hand-set budget only: the planner's rule as it always was
-            return member_for_budget(specs, budget, self.batch_size)
+        if board is None:  # a hand-set budget only: the planner's rule as it always was (nothing: no sizing)
+            return None if budget is None else member_for_budget(specs, budget, self.batch_size)
         previous = self._chosen.get(device.device_id)
         current = next((k for k, s in enumerate(specs) if s.id == previous), None)
         fit = fit_member(
