@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nestling.cli_numbers import non_negative_float, non_negative_int, positive_float, positive_int, share
 from nestling.errors import NestlingError
 from nestling.log_setup import configure_logging
 from nestling.plugins import load_plugins
@@ -53,7 +54,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
     "traces": ("nestling.simulator.traces_cli", "traces_main", "generate or import device traces"),
 }
 
-SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
+SIMULATE_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     (
         "--method",
         "method.name",
@@ -69,23 +70,23 @@ SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
     ),
     ("--data-root", "data.root", str, "folder holding the dataset files"),
     ("--partition", "data.partition", str, "iid, dirichlet, balanced-dirichlet, shards, unbalanced, scalefl"),
-    ("--alpha", "data.alpha", float, "Dirichlet concentration"),
-    ("--clients", "data.clients", int, "number of clients"),
-    ("--limit-train", "data.limit_train", int, "use a stratified subset of the training set"),
-    ("--limit-test", "data.limit_test", int, "use a stratified subset of the test set"),
-    ("--fraction", "train.fraction", float, "clients per round / clients"),
-    ("--rounds", "run.rounds", int, "communication rounds"),
-    ("--local-epochs", "train.local_epochs", int, "local epochs per round"),
-    ("--local-steps", "train.local_steps", int, "local SGD steps per round (overrides epochs)"),
-    ("--batch", "train.batch_size", int, "local batch size"),
-    ("--lr", "train.lr", float, "initial learning rate"),
+    ("--alpha", "data.alpha", positive_float, "Dirichlet concentration"),
+    ("--clients", "data.clients", positive_int, "number of clients"),
+    ("--limit-train", "data.limit_train", positive_int, "use a stratified subset of the training set"),
+    ("--limit-test", "data.limit_test", positive_int, "use a stratified subset of the test set"),
+    ("--fraction", "train.fraction", share, "clients per round / clients"),
+    ("--rounds", "run.rounds", positive_int, "communication rounds"),
+    ("--local-epochs", "train.local_epochs", positive_int, "local epochs per round"),
+    ("--local-steps", "train.local_steps", positive_int, "local SGD steps per round (overrides epochs)"),
+    ("--batch", "train.batch_size", positive_int, "local batch size"),
+    ("--lr", "train.lr", positive_float, "initial learning rate"),
     ("--lr-schedule", "train.schedule", str, "constant, step, cosine, exponential"),
-    ("--momentum", "train.momentum", float, "SGD momentum"),
-    ("--weight-decay", "train.weight_decay", float, "SGD weight decay"),
-    ("--seed", "run.seed", int, "seed of partitions, init, selection and local training"),
+    ("--momentum", "train.momentum", non_negative_float, "SGD momentum"),
+    ("--weight-decay", "train.weight_decay", non_negative_float, "SGD weight decay"),
+    ("--seed", "run.seed", non_negative_int, "seed of partitions, init, selection and local training"),
     ("--device", "run.device", str, "cpu or cuda[:i]"),
-    ("--workers", "run.workers", int, "worker processes (0 = one per core, 1 = in-process)"),
-    ("--eval-every", "run.eval_every", int, "evaluate every N rounds (and at the end)"),
+    ("--workers", "run.workers", non_negative_int, "worker processes (0 = one per core, 1 = in-process)"),
+    ("--eval-every", "run.eval_every", positive_int, "evaluate every N rounds (and at the end)"),
     ("--budgets", "method.budgets", str, "FeDepth budget scenario: fair, lack or surplus"),
     ("--traces", "run.traces", str, "device trace file (.jsonl/.csv): replay the fleet on a virtual clock"),
     ("--backend", "run.backend", str, "auto, inprocess, pool or ray (pip install nestling[ray])"),
@@ -130,10 +131,25 @@ def simulate_parser(prog: str = "nestling simulate") -> argparse.ArgumentParser:
         help="any other config value, e.g. --set method.flex=1 (repeatable)",
     )
     parser.add_argument(
-        "--out", type=Path, help="output directory (metrics.jsonl, summary.json, accuracy.png)"
+        "--unset",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY",
+        help="drop a key the --config file sets, e.g. --unset method.flex (repeatable)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="run folder to create (config.toml, metrics.jsonl, summary.json, accuracy.png, checkpoints/); "
+        "default runs/METHOD-MODEL-DATASET",
     )
     parser.add_argument(
         "--resume", type=Path, metavar="DIR", help="continue the run in DIR from its newest checkpoint"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (without it, a folder holding a run is refused)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -153,27 +169,59 @@ def simulate_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def options_left_behind(config_path: Path | None, method: str | None) -> tuple[str, ...]:
+    """When --method replaces the file's method, the file's [method] options the new method does not have
+    (NeFL's `flex` under `--method heterofl`) belong to the old one: dropped, with a note, not an error."""
+    from nestling.config import read_config_file
+    from nestling.server.strategies import STRATEGIES
+
+    if config_path is None or method is None or method not in STRATEGIES:
+        return ()
+    table = read_config_file(config_path).get("method", {})
+    if not isinstance(table, dict) or table.get("name", method) == method:
+        return ()
+    known = STRATEGIES[method].option_defaults
+    dropped = [key for key in table if key not in ("name", "options") and key not in known]
+    if dropped:
+        print(
+            f"note: {config_path}'s [method] options {', '.join(dropped)} are {table.get('name')}'s; "
+            f"--method {method} runs without them",
+            file=sys.stderr,
+        )
+    return tuple(f"method.{key}" for key in dropped)
+
+
 def simulate_main(argv: list[str]) -> int:
     from nestling.config import load_config
     from nestling.progress import RoundProgress, print_submodel_table
+    from nestling.run_folder import check_resumable, finished_summary, refuse_existing_run
     from nestling.simulator.run import run_simulation
 
     args = simulate_parser().parse_args(argv)
-    out = args.resume or args.out
+    if args.resume is not None and (args.out is not None or args.overwrite):
+        raise NestlingError("--resume DIR continues the run in DIR: give it without --out or --overwrite")
     config_path = args.config
-    if args.resume is not None and config_path is None and (args.resume / "config.toml").exists():
-        config_path = args.resume / "config.toml"
-    cfg = load_config(config_path, simulate_overrides(args))
-    out = out or Path("runs") / f"{cfg.method.name}-{cfg.model.arch}-{cfg.data.dataset}"
-    from nestling.config_io import write_config
-
-    out.mkdir(parents=True, exist_ok=True)
-    if args.resume is None:
-        write_config(cfg, out / "config.toml")
+    if args.resume is not None:
+        check_resumable(args.resume)
+        if config_path is None and (args.resume / "config.toml").exists():
+            config_path = args.resume / "config.toml"
+    unset = (*args.unset, *options_left_behind(config_path, args.method))
+    cfg = load_config(config_path, simulate_overrides(args), unset)
+    out = args.resume or args.out or Path("runs") / f"{cfg.method.name}-{cfg.model.arch}-{cfg.data.dataset}"
+    if args.resume is not None:
+        finished = finished_summary(out, cfg.run.rounds)
+        if finished is not None:
+            print(f"{out} has finished its {cfg.run.rounds} rounds: nothing to resume, nothing changed")
+            print_submodel_table(finished)
+            return 0
+    else:
+        refuse_existing_run(out, overwrite=args.overwrite)  # before any data is loaded
     with RoundProgress(
         cfg.run.rounds, enabled=not args.quiet, title=f"{cfg.method.name} · {cfg.model.arch}"
     ) as progress:
-        summary = run_simulation(cfg, out, resume=args.resume is not None, on_round=progress.update)
+        summary = run_simulation(
+            cfg, out, resume=args.resume is not None, overwrite=args.overwrite, on_round=progress.update
+        )
     print_submodel_table(summary)
     print(f"results in {out}")
     return 0

@@ -234,16 +234,28 @@ def config_from_dict(data: dict[str, Any]) -> SimConfig:
     return SimConfig(**built).validate()
 
 
-def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> SimConfig:
-    """Read a TOML file (optional) and apply dotted overrides like {"train.lr": 0.05}."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config file's raw tables (ConfigError when it is missing or not TOML)."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def load_config(
+    path: Path | None, overrides: dict[str, Any] | None = None, unset: tuple[str, ...] = ()
+) -> SimConfig:
+    """Read a TOML file (optional), drop its dotted keys in `unset` (back to their defaults, or gone for a
+    method option) and apply dotted overrides like {"train.lr": 0.05}."""
+    data: dict[str, Any] = read_config_file(path) if path is not None else {}
+    for dotted in unset:
+        section, _, key = dotted.partition(".")
+        table = data.get(section)
+        if not key or not isinstance(table, dict) or key not in table:
+            raise ConfigError(f"--unset {dotted}: the config file sets no such key")
+        del table[key]
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue

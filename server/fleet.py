@@ -16,6 +16,7 @@ from nestling.calibration import calibration_subset
 from nestling.data import load_dataset
 from nestling.errors import NestlingError
 from nestling.log_setup import configure_logging
+from nestling.run_folder import check_resumable, finished_summary, refuse_existing_run, start_new_run
 from nestling.server.checkpoint import latest_checkpoint
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundRecord
@@ -106,20 +107,34 @@ def finish_exports(
 
 
 def run_fleet(
-    cfg: FleetConfig, *, resume: bool = False, on_round: Callable[[RoundRecord], None] | None = None
+    cfg: FleetConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    on_round: Callable[[RoundRecord], None] | None = None,
 ) -> dict[str, Any]:
-    """Wait for the fleet, run (or resume) every round, write metrics.jsonl, checkpoints and summary.json."""
+    """Wait for the fleet, run (or resume) every round, write metrics.jsonl, checkpoints and summary.json.
+    The run folder is touched only once the broker answered: a failed start leaves it exactly as it was; a
+    folder holding a run is refused unless `resume` or `overwrite`; a finished run resumed changes nothing."""
     started = time.perf_counter()
     torch.set_num_threads(1)
     run = cfg.run.run
+    out_dir = cfg.out_dir
+    if resume:
+        check_resumable(out_dir)
+        finished = finished_summary(out_dir, run.rounds)
+        if finished is not None:
+            print(f"{out_dir} has finished its {run.rounds} rounds: nothing to resume, nothing changed")
+            return finished
+    else:
+        refuse_existing_run(out_dir, overwrite=overwrite)
     opts = {} if cfg.run.data.limit_test is None else {"limit_test": cfg.run.data.limit_test}
     bundle = load_dataset(cfg.run.data.dataset, cfg.run.data.root, seed=run.seed, **opts)
     strategy = make_strategy(cfg, bundle.num_classes, bundle.input_shape, bundle.name)
-    out_dir = cfg.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_run_file(out_dir, strategy)  # `nestling plan --fleet` re-creates the strategy from it
+    # A resumed fleet keeps its boards' indices; a new one starts from none (registry.json is written once
+    # the run has started).
     registry = DeviceRegistry(
-        out_dir / "registry.json",
+        out_dir / "registry.json" if resume else None,
         heartbeat_timeout_s=cfg.fleet.heartbeat_timeout_s,
         allowed=set(cfg.fleet.allowed_devices) or None,
     )
@@ -144,13 +159,17 @@ def run_fleet(
             on_round(record)
 
     coordinator = Coordinator(strategy, transport, clock, evaluator, policy, out_dir, report)
-    if resume and latest_checkpoint(out_dir / "checkpoints") is not None:
+    transport.connect(
+        *cfg.broker.host_port
+    )  # an unreachable broker ends the start here, the folder untouched
+    if resume and latest_checkpoint(out_dir / "checkpoints", warn=False) is not None:
         print(f"resuming after round {coordinator.resume()} of {run.rounds}", flush=True)
     else:
         if resume:
             print("no complete checkpoint yet: starting from round 1", flush=True)
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    transport.connect(*cfg.broker.host_port)
+        start_new_run(out_dir, overwrite=overwrite or resume)
+        registry.path = out_dir / "registry.json"
+    write_run_file(out_dir, strategy)  # `nestling plan --fleet` re-creates the strategy from it
     try:
         transport.publish_status("waiting", coordinator.start_round)
         print(
@@ -221,6 +240,11 @@ def server_main(argv: list[str]) -> int:
     parser.add_argument("--config", type=Path, required=True, help="fleet.toml (see examples/fleet.toml)")
     parser.add_argument("--resume", action="store_true", help="continue after the newest complete checkpoint")
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in the config's out_dir (without it, a folder holding a run is refused)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("/etc/systemd/system"),
@@ -237,7 +261,9 @@ def server_main(argv: list[str]) -> int:
     if args.action == "install-service":
         return _install_service(args.config, args.out, args.user)
     try:
-        summary = run_fleet(load_fleet_config(args.config), resume=args.resume)
+        if args.resume and args.overwrite:
+            raise NestlingError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+        summary = run_fleet(load_fleet_config(args.config), resume=args.resume, overwrite=args.overwrite)
     except NestlingError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

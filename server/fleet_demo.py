@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from nestling.cli_numbers import positive_float, positive_int
 from nestling.errors import NestlingError
 from nestling.plugins import ENV as PLUGINS_ENV
 from nestling.profiler.demo_boards import DEMO_BOARDS
@@ -169,13 +170,20 @@ def print_table(summary: dict[str, Any]) -> None:
 def demo_main(argv: list[str]) -> int:
     """`nestling demo [--rounds N] [--model resnet20] [--out DIR]`."""
     parser = argparse.ArgumentParser(prog="nestling demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=positive_int, default=6, help="communication rounds (default 6)")
     parser.add_argument(
         "--model", default="resnet20", help="any zoo model with a NeFL family (tinycnn is faster)"
     )
-    parser.add_argument("--local-steps", type=int, default=5, help="SGD steps per board per round")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--out", type=Path, default=Path("runs/demo-fleet"))
+    parser.add_argument("--local-steps", type=positive_int, default=5, help="SGD steps per board per round")
+    parser.add_argument(
+        "--lr", type=positive_float, default=0.05, help="boards' learning rate (default 0.05)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/demo-fleet"),
+        help="folder for fleet.toml, agent logs and the run in out/ (default runs/demo-fleet)",
+    )
     args = parser.parse_args(argv)
     work = args.out.resolve()
     work.mkdir(parents=True, exist_ok=True)
