@@ -34,7 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--list", action="store_true", help="list the checkpoint's submodels and their exits, then stop"
     )
-    parser.add_argument("--format", choices=("onnx", "tensorrt"), default="onnx")
+    parser.add_argument(
+        "--format",
+        choices=("onnx", "tensorrt"),
+        default="onnx",
+        help="onnx (default; runs anywhere onnxruntime does) or tensorrt (a Jetson engine)",
+    )
     parser.add_argument(
         "--precision",
         choices=("fp32", "fp16", "int8"),
@@ -71,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
         const=True,
         help="simplify with onnxsim (pip install nestling[simplify])",
     )
-    simplify.add_argument("--no-simplify", dest="simplify", action="store_const", const=False)
+    simplify.add_argument(
+        "--no-simplify", dest="simplify", action="store_const", const=False, help="keep the graph as exported"
+    )
     parser.add_argument("--dynamo", action="store_true", help="use the torch.export-based ONNX exporter")
     parser.add_argument(
         "--align-channels",

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nestling.cli_numbers import non_negative_float, non_negative_int, positive_float, positive_int, share
 from nestling.errors import NestlingError
 from nestling.log_setup import configure_logging
 from nestling.plugins import load_plugins
@@ -54,7 +54,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
     "traces": ("nestling.simulator.traces_cli", "traces_main", "generate or import device traces"),
 }
 
-SIMULATE_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
+SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
     (
         "--method",
         "method.name",
@@ -70,23 +70,23 @@ SIMULATE_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ),
     ("--data-root", "data.root", str, "folder holding the dataset files"),
     ("--partition", "data.partition", str, "iid, dirichlet, balanced-dirichlet, shards, unbalanced, scalefl"),
-    ("--alpha", "data.alpha", positive_float, "Dirichlet concentration"),
-    ("--clients", "data.clients", positive_int, "number of clients"),
-    ("--limit-train", "data.limit_train", positive_int, "use a stratified subset of the training set"),
-    ("--limit-test", "data.limit_test", positive_int, "use a stratified subset of the test set"),
-    ("--fraction", "train.fraction", share, "clients per round / clients"),
-    ("--rounds", "run.rounds", positive_int, "communication rounds"),
-    ("--local-epochs", "train.local_epochs", positive_int, "local epochs per round"),
-    ("--local-steps", "train.local_steps", positive_int, "local SGD steps per round (overrides epochs)"),
-    ("--batch", "train.batch_size", positive_int, "local batch size"),
-    ("--lr", "train.lr", positive_float, "initial learning rate"),
+    ("--alpha", "data.alpha", float, "Dirichlet concentration"),
+    ("--clients", "data.clients", int, "number of clients"),
+    ("--limit-train", "data.limit_train", int, "use a stratified subset of the training set"),
+    ("--limit-test", "data.limit_test", int, "use a stratified subset of the test set"),
+    ("--fraction", "train.fraction", float, "clients per round / clients"),
+    ("--rounds", "run.rounds", int, "communication rounds"),
+    ("--local-epochs", "train.local_epochs", int, "local epochs per round"),
+    ("--local-steps", "train.local_steps", int, "local SGD steps per round (overrides epochs)"),
+    ("--batch", "train.batch_size", int, "local batch size"),
+    ("--lr", "train.lr", float, "initial learning rate"),
     ("--lr-schedule", "train.schedule", str, "constant, step, cosine, exponential"),
-    ("--momentum", "train.momentum", non_negative_float, "SGD momentum"),
-    ("--weight-decay", "train.weight_decay", non_negative_float, "SGD weight decay"),
-    ("--seed", "run.seed", non_negative_int, "seed of partitions, init, selection and local training"),
+    ("--momentum", "train.momentum", float, "SGD momentum"),
+    ("--weight-decay", "train.weight_decay", float, "SGD weight decay"),
+    ("--seed", "run.seed", int, "seed of partitions, init, selection and local training"),
     ("--device", "run.device", str, "cpu or cuda[:i]"),
-    ("--workers", "run.workers", non_negative_int, "worker processes (0 = one per core, 1 = in-process)"),
-    ("--eval-every", "run.eval_every", positive_int, "evaluate every N rounds (and at the end)"),
+    ("--workers", "run.workers", int, "worker processes (0 = one per core, 1 = in-process)"),
+    ("--eval-every", "run.eval_every", int, "evaluate every N rounds (and at the end)"),
     ("--budgets", "method.budgets", str, "FeDepth budget scenario: fair, lack or surplus"),
     ("--traces", "run.traces", str, "device trace file (.jsonl/.csv): replay the fleet on a virtual clock"),
     ("--backend", "run.backend", str, "auto, inprocess, pool or ray (pip install nestling[ray])"),
@@ -240,17 +240,37 @@ def _run_external(module: str, function: str, argv: list[str]) -> int:
     return int(entry(argv) or 0)
 
 
+def print_usage(commands: dict[str, str]) -> None:
+    print("usage: nestling COMMAND [options]   (nestling COMMAND --help: that command's options)\n")
+    print("commands:")
+    for name, help_text in commands.items():
+        print(f"  {name:<18} {help_text}")
+    print("\noptions:")
+    print(f"  {'-h, --help':<18} this list")
+    print(f"  {'-V, --version':<18} the installed Nestling version")
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The console entry point; output cut short by a closed pipe (`nestling -h | head`) ends quietly."""
+    try:
+        try:
+            return dispatch(list(sys.argv[1:] if argv is None else argv))
+        finally:
+            sys.stdout.flush()  # here, where a closed pipe can still be caught (and after argparse's exit)
+    except BrokenPipeError:
+        # the reader left: send what is still buffered nowhere, so the interpreter's last flush cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def dispatch(argv: list[str]) -> int:
     commands = {
         "simulate": "run a federated simulation in one process",
         "demo": "the embedded-default demo",
         **{name: help_text for name, (_, _, help_text) in EXTERNAL_COMMANDS.items()},
     }
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: nestling COMMAND [options]\n\ncommands:")
-        for name, help_text in commands.items():
-            print(f"  {name:<14} {help_text}")
+        print_usage(commands)
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
         from nestling import __version__

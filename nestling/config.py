@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -137,7 +139,17 @@ class SimConfig:
             (0.0 < self.train.fraction <= 1.0, "[train] fraction must be in (0, 1]"),
             (self.train.local_epochs >= 1, "[train] local_epochs must be >= 1"),
             (self.train.batch_size >= 1, "[train] batch_size must be >= 1"),
-            (self.train.lr > 0, "[train] lr must be > 0"),
+            (0 < self.train.lr < math.inf, "[train] lr must be a finite number > 0"),
+            (
+                self.train.local_steps is None or self.train.local_steps >= 1,
+                "[train] local_steps must be >= 1",
+            ),
+            (0 <= self.train.momentum < math.inf, "[train] momentum must be a finite number >= 0"),
+            (0 <= self.train.weight_decay < math.inf, "[train] weight_decay must be a finite number >= 0"),
+            (self.run.seed >= 0, "[run] seed must be >= 0"),
+            (self.run.eval_every >= 1, "[run] eval_every must be >= 1"),
+            (self.data.limit_train is None or self.data.limit_train >= 1, "[data] limit_train must be >= 1"),
+            (self.data.limit_test is None or self.data.limit_test >= 1, "[data] limit_test must be >= 1"),
             (self.run.workers >= 0, "[run] workers must be >= 0"),
             (self.run.calibration_samples >= 0, "[run] calibration_samples must be >= 0 (0: all)"),
             (self.run.over_selection >= 1.0, "[run] over_selection must be >= 1"),

@@ -49,10 +49,19 @@ def _profile_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--image-size", type=positive_int, default=32, help="input side in pixels (default 32)")
     p.add_argument("--in-channels", type=positive_int, default=3, help="input channels (default 3)")
-    p.add_argument("--norm-stats", default="running", choices=("running", "batch"))
+    p.add_argument(
+        "--norm-stats",
+        default="running",
+        choices=("running", "batch"),
+        help="batch norm in the profiled forward: running statistics (default) or batch statistics",
+    )
     p.add_argument("--repeats", type=positive_int, default=10, help="timed passes per block (default 10)")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed passes first (default 3)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to measure: cpu or cuda[:i] (default: cuda when there is one)",
+    )
     p.add_argument("--name", help="device name recorded in the profile (default: host name)")
     p.add_argument(
         "--budget-mb",
@@ -62,7 +71,9 @@ def _profile_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gflops-seconds", type=positive_float, default=1.0, help="duration of the sustained matmul test"
     )
-    p.add_argument("--out", type=Path, default=Path("profile.json"))
+    p.add_argument(
+        "--out", type=Path, default=Path("profile.json"), help="profile to write (default profile.json)"
+    )
     return p
 
 

@@ -253,7 +253,12 @@ def server_main(argv: list[str]) -> int:
     parser.add_argument(
         "--user", default=None, help="install-service: account the server runs as (default: you)"
     )
-    parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="how much the server logs besides its round lines (default WARNING)",
+    )
     args = parser.parse_args(argv)
     configure_logging(
         args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s", force=True
