@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path

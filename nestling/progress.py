@@ -16,6 +16,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from nestling.numbers import headline, percent
+
 
 class RoundProgress:
     """A round counter with the latest accuracies; silent when disabled (CI logs, --quiet)."""
@@ -49,7 +51,7 @@ class RoundProgress:
         status = ""
         if record.submodels:
             accs = [s["accuracy"] for s in record.submodels]
-            status = f"worst {100 * min(accs):.1f}%  avg {100 * sum(accs) / len(accs):.1f}%"
+            status = f"worst {percent(min(accs))}  avg {percent(sum(accs) / len(accs))}"
         elif record.train_loss is not None:
             status = f"loss {record.train_loss:.3f}"
         self.progress.update(self.task_id, completed=record.round + 1, status=status)
@@ -67,7 +69,7 @@ def print_submodel_table(summary: dict[str, Any], console: Console | None = None
         table.add_row(
             sub["name"],
             sub["id"],
-            f"{100 * sub['accuracy']:.2f}%",
+            percent(sub["accuracy"]),
             f"{sub['loss']:.3f}",
             f"{sub['parameters']:,}",
             f"{sub['macs']:,}",
@@ -75,6 +77,6 @@ def print_submodel_table(summary: dict[str, Any], console: Console | None = None
     console.print(table)
     if summary.get("worst_accuracy") is not None:
         console.print(
-            f"worst {100 * summary['worst_accuracy']:.2f}%  avg {100 * summary['avg_accuracy']:.2f}%  "
+            f"{headline(summary)} · "
             f"wall {summary['wall_seconds']:.1f}s  train {summary['train_seconds']:.1f}s"
         )

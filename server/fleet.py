@@ -16,6 +16,7 @@ from nestling.calibration import calibration_subset
 from nestling.data import load_dataset
 from nestling.errors import NestlingError
 from nestling.log_setup import configure_logging
+from nestling.numbers import headline, percent
 from nestling.run_folder import check_resumable, finished_summary, refuse_existing_run, start_new_run
 from nestling.server.checkpoint import latest_checkpoint
 from nestling.server.clock import WallClock
@@ -77,7 +78,7 @@ def round_line(record: RoundRecord, total: int) -> str:
     if record.replans:  # a board's speed drifted (or it ran out of memory): it trains another submodel now
         moved = ", ".join(f"{r['device']} ({r['reason']})" for r in record.replans)
         notes.append(f"re-planned {moved}")
-    accuracies = " ".join(f"{s['name']} {100 * s['accuracy']:.1f}%" for s in record.submodels)
+    accuracies = " ".join(f"{s['name']} {percent(s['accuracy'])}" for s in record.submodels)
     return f"round {record.round + 1}/{total}: {', '.join(notes)}, {record.wall_seconds:.1f}s  {accuracies}"
 
 
@@ -274,7 +275,7 @@ def server_main(argv: list[str]) -> int:
         return 2
     print_plan_table(summary)
     print(
-        f"done: {summary['rounds']} rounds, worst {summary['worst_accuracy']}, avg {summary['avg_accuracy']}",
+        f"done: {summary['rounds']} rounds, {headline(summary)}",
         flush=True,
     )
     return 0

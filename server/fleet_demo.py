@@ -24,6 +24,7 @@ from rich.table import Table
 
 from nestling.cli_numbers import positive_float, positive_int
 from nestling.errors import NestlingError
+from nestling.numbers import headline, percent, seconds
 from nestling.plugins import ENV as PLUGINS_ENV
 from nestling.profiler.demo_boards import DEMO_BOARDS
 from nestling.server.broker import EmbeddedBroker
@@ -150,7 +151,7 @@ def print_table(summary: dict[str, Any]) -> None:
             sub["name"],
             f"{sub['parameters']:,}",
             f"{sub['macs']:,}",
-            f"{100 * sub['accuracy']:.1f}%",
+            percent(sub["accuracy"]),
             boards or "no board is sized to it",
         )
     console = Console()
@@ -158,13 +159,13 @@ def print_table(summary: dict[str, Any]) -> None:
     print_plan_table(summary, console, classes)
     transport = summary["transport"]
     rejected = sum(v for k, v in transport.items() if k.startswith("rejected_"))
-    if trained:
-        console.print(
-            f"trained submodels: worst {100 * min(trained):.1f}%, average "
-            f"{100 * sum(trained) / len(trained):.1f}% · {transport.get('accepted', 0)}/"
-            f"{transport.get('dispatched', 0)} results accepted, {rejected} rejected · "
-            f"{summary['wall_seconds']:.0f} s"
-        )
+    deadline = summary.get("config", {}).get("run", {}).get("deadline_s")
+    console.print(
+        f"{headline(summary)} over all {len(summary['submodels'])} submodels (summary.json; "
+        f"{len(trained)} trained by a board) · round deadline {seconds(deadline)} s · "
+        f"{transport.get('accepted', 0)}/{transport.get('dispatched', 0)} results accepted, {rejected} rejected · "
+        f"{summary['wall_seconds']:.0f} s"
+    )
 
 
 def demo_main(argv: list[str]) -> int:
