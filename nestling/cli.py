@@ -223,6 +223,9 @@ def simulate_main(argv: list[str]) -> int:
             cfg, out, resume=args.resume is not None, overwrite=args.overwrite, on_round=progress.update
         )
     print_submodel_table(summary)
+    report = (summary.get("replay") or {}).get("report")
+    if report:
+        print(f"replay report: {report} (timeline.jsonl keeps each trace device's id beside its dev-NNNNN)")
     print(f"results in {out}")
     return 0
 
