@@ -122,3 +122,16 @@ def test_export_names_a_damaged_newest_checkpoint(
         chosen = resolve_checkpoint(run_copy)
     assert chosen != newest
     assert any(newest.name in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
+
+
+def test_another_method_leaves_the_files_options_behind_with_a_note(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """README Quickstart's second command: examples/simulate.toml holds NeFL's `flex`; HeteroFL has none."""
+    from nestling.cli import options_left_behind
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "simulate.toml"
+    assert options_left_behind(example, "heterofl") == ("method.flex",)
+    assert "flex" in capsys.readouterr().err
+    assert options_left_behind(example, "nefl-wd") == ()  # the file's own method keeps its options
+    assert options_left_behind(example, None) == ()

@@ -62,3 +62,35 @@ def test_resume_and_overwrite_together_are_refused(
     config = config_without_broker(tmp_path)
     assert server_main(["--config", str(config), "--resume", "--overwrite"]) == 2
     assert "give one" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_fleet_run_changes_nothing_and_needs_no_broker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nestling.cli import main
+
+    out = tmp_path / "out"
+    tiny = [
+        "--model",
+        "tinycnn",
+        "--dataset",
+        "digits",
+        "--clients",
+        "2",
+        "--rounds",
+        "2",
+        "--local-steps",
+        "1",
+    ]
+    assert (
+        main(["simulate", "--method", "nefl-wd", *tiny, "--workers", "1", "--quiet", "--out", str(out)]) == 0
+    )
+    config = tmp_path / "fleet.toml"
+    url = f"mqtt://127.0.0.1:{find_free_port()}"  # nothing listens: a finished run must not need it
+    config.write_text(fleet_toml(url, "done", devices=2, rounds=2, out_dir="out"))
+    capsys.readouterr()
+    before = fingerprint(out)
+    assert server_main(["--config", str(config), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "nothing to resume" in printed and "done: 2 rounds, worst " in printed and "%, average " in printed
+    assert fingerprint(out) == before
