@@ -86,7 +86,7 @@ SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--seed", "run.seed", int, "seed of partitions, init, selection and local training"),
     ("--device", "run.device", str, "cpu or cuda[:i]"),
     ("--workers", "run.workers", int, "worker processes (0 = one per core, 1 = in-process)"),
-    ("--eval-every", "run.eval_every", int, "evaluate every N rounds (and at the end)"),
+    ("--eval-every", "run.eval_every", int, "evaluate every N rounds (and at the end; 0: only at the end)"),
     ("--budgets", "method.budgets", str, "FeDepth budget scenario: fair, lack or surplus"),
     ("--traces", "run.traces", str, "device trace file (.jsonl/.csv): replay the fleet on a virtual clock"),
     ("--backend", "run.backend", str, "auto, inprocess, pool or ray (pip install nestling[ray])"),

@@ -146,7 +146,7 @@ class SimConfig:
             (0 <= self.train.momentum < math.inf, "[train] momentum must be a finite number >= 0"),
             (0 <= self.train.weight_decay < math.inf, "[train] weight_decay must be a finite number >= 0"),
             (self.run.seed >= 0, "[run] seed must be >= 0"),
-            (self.run.eval_every >= 1, "[run] eval_every must be >= 1"),
+            (self.run.eval_every >= 0, "[run] eval_every must be >= 0 (0: only after the last round)"),
             (self.data.limit_train is None or self.data.limit_train >= 1, "[data] limit_train must be >= 1"),
             (self.data.limit_test is None or self.data.limit_test >= 1, "[data] limit_test must be >= 1"),
             (self.run.workers >= 0, "[run] workers must be >= 0"),

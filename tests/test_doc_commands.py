@@ -86,7 +86,7 @@ def read_blocks(path: Path) -> list[DocBlock]:
         for raw in body:
             stripped = raw.strip()
             if not pending and stripped.startswith("#"):
-                comment_says_eg = "e.g." in stripped
+                comment_says_eg = comment_says_eg or "e.g." in stripped  # over all comment lines above
                 continue
             if not stripped and not pending:
                 comment_says_eg = False
