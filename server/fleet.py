@@ -17,7 +17,7 @@ from nestling.data import load_dataset
 from nestling.errors import NestlingError
 from nestling.log_setup import configure_logging
 from nestling.numbers import headline, percent
-from nestling.run_folder import check_resumable, finished_summary, refuse_existing_run, start_new_run
+from nestling.run_folder import finished_summary, refuse_existing_run, run_artifacts, start_new_run
 from nestling.server.checkpoint import latest_checkpoint
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundRecord
@@ -121,8 +121,10 @@ def run_fleet(
     torch.set_num_threads(1)
     run = cfg.run.run
     out_dir = cfg.out_dir
+    if resume and not run_artifacts(out_dir):  # a service's first start runs with --resume too
+        print(f"no run in {out_dir} yet: starting one", flush=True)
+        resume = False
     if resume:
-        check_resumable(out_dir)
         finished = finished_summary(out_dir, run.rounds)
         if finished is not None:
             print(f"{out_dir} has finished its {run.rounds} rounds: nothing to resume, nothing changed")

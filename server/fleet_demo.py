@@ -27,6 +27,7 @@ from nestling.errors import NestlingError
 from nestling.numbers import headline, percent, seconds
 from nestling.plugins import ENV as PLUGINS_ENV
 from nestling.profiler.demo_boards import DEMO_BOARDS
+from nestling.run_folder import run_artifacts
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.fleet import run_fleet
 from nestling.server.fleet_config import load_fleet_config
@@ -187,6 +188,8 @@ def demo_main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     work = args.out.resolve()
+    if run_artifacts(work / "out"):  # the demo's folder is its own: each demo is a fresh run
+        print(f"replacing the previous demo run in {work / 'out'}", flush=True)
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
@@ -200,7 +203,7 @@ def demo_main(argv: list[str]) -> int:
             )
             agents = start_agents(broker.url, work)
             try:
-                summary = run_fleet(load_fleet_config(work / "fleet.toml"))
+                summary = run_fleet(load_fleet_config(work / "fleet.toml"), overwrite=True)
             finally:
                 stop_agents(agents)
     except NestlingError as exc:

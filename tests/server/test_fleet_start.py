@@ -94,3 +94,12 @@ def test_resuming_a_finished_fleet_run_changes_nothing_and_needs_no_broker(
     printed = capsys.readouterr().out
     assert "nothing to resume" in printed and "done: 2 rounds, worst " in printed and "%, average " in printed
     assert fingerprint(out) == before
+
+
+def test_resume_with_no_run_yet_starts_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The systemd unit always passes --resume: its first start has no run folder and must start one (here it
+    then stops at the missing broker, having made no folder)."""
+    assert server_main(["--config", str(config_without_broker(tmp_path, "first")), "--resume"]) == 2
+    captured = capsys.readouterr()
+    assert "no run in" in captured.out and "cannot reach MQTT broker" in captured.err
+    assert not (tmp_path / "first").exists()
