@@ -57,19 +57,22 @@ def run_method(method: str, args: argparse.Namespace, out_root: Path) -> dict:
     if args.rounds:  # equal rounds for every method: the fair comparison when round costs differ
         started = time.perf_counter()
         summary = run_simulation(
-            load_config(None, config_for(method, args, args.rounds, model)), out_root / method
+            load_config(None, config_for(method, args, args.rounds, model)), out_root / method, overwrite=True
         )
         summary["bench_minutes"] = (time.perf_counter() - started) / 60
         return summary
     probe = run_simulation(
         load_config(None, {**config_for(method, args, 1, model), "data.limit_test": 500}),
         out_root / f"{method}-probe",
+        overwrite=True,
     )
     per_round = probe["train_seconds"] + 1.0
     rounds = max(2, int(args.minutes * 60 / per_round))
     print(f"{method}: one round took {per_round:.1f}s → {rounds} rounds in {args.minutes} min", flush=True)
     started = time.perf_counter()
-    summary = run_simulation(load_config(None, config_for(method, args, rounds, model)), out_root / method)
+    summary = run_simulation(
+        load_config(None, config_for(method, args, rounds, model)), out_root / method, overwrite=True
+    )
     summary["bench_minutes"] = (time.perf_counter() - started) / 60
     return summary
 

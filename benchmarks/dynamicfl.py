@@ -81,7 +81,8 @@ def run_or_reuse(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
     if run_state(run_dir, cfg) == "done":
         return json.loads((run_dir / "summary.json").read_text())
-    return run_simulation(cfg, run_dir, resume=run_state(run_dir, cfg) == "partial")
+    state = run_state(run_dir, cfg)  # "new" may hold this configuration's attempt from before a checkpoint
+    return run_simulation(cfg, run_dir, resume=state == "partial", overwrite=state == "new")
 
 
 def per_label_accuracy(run_dir: Path, data: Any) -> np.ndarray:

@@ -74,7 +74,7 @@ def trained_checkpoint(args: argparse.Namespace) -> Path:
     shutil.rmtree(args.run_dir / "checkpoints", ignore_errors=True)
     stamp.unlink(missing_ok=True)
     started = time.perf_counter()
-    summary = run_simulation(config_from_dict(config), args.run_dir)
+    summary = run_simulation(config_from_dict(config), args.run_dir, overwrite=True)
     stamp.write_text(json.dumps(config, indent=1, sort_keys=True))
     print(
         f"trained {args.rounds} rounds in {time.perf_counter() - started:.0f} s; final accuracy "

@@ -121,7 +121,9 @@ def run_fedtrans(a: argparse.Namespace, seed: int, work: Path) -> dict[str, Any]
         "beta": a.beta,
     }
     meter = MacMeter((3, 32, 32) if a.dataset.startswith("cifar") else (1, 16, 16))
-    summary = run_simulation(base_config(a, seed, method, {}), work / f"fedtrans-{seed}", tamper=meter)
+    summary = run_simulation(
+        base_config(a, seed, method, {}), work / f"fedtrans-{seed}", tamper=meter, overwrite=True
+    )
     report = summary["method_report"]["fedtrans"]
     accuracy = final_accuracy(work / f"fedtrans-{seed}")
     per_client = [accuracy[model] for model in report["deployed"].values()]
@@ -177,7 +179,10 @@ def run_heterofl(a: argparse.Namespace, seed: int, work: Path, fedtrans: dict[st
     meter = MacMeter((3, 32, 32) if a.dataset.startswith("cifar") else (1, 16, 16))
     extra = {"layout": fedtrans["largest_layout"]}
     run_simulation(
-        base_config(a, seed, {"name": "heterofl", "mix": mix}, extra), work / f"heterofl-{seed}", tamper=meter
+        base_config(a, seed, {"name": "heterofl", "mix": mix}, extra),
+        work / f"heterofl-{seed}",
+        tamper=meter,
+        overwrite=True,
     )
     accuracy = final_accuracy(work / f"heterofl-{seed}")
     per_client = [accuracy[f"r{rates[tier_of(c, a.clients)]:g}"] for c in range(a.clients)]

@@ -170,7 +170,7 @@ def run_simulator(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[st
         }
     )
     started = time.perf_counter()
-    run_simulation(cfg, out)
+    run_simulation(cfg, out, overwrite=True)
     timeline = read_jsonl(out / "timeline.jsonl")
     devices: dict[int, list[str]] = {}
     slowest: dict[int, tuple[float, str]] = {}

@@ -181,7 +181,7 @@ def run_or_reuse(cfg: Any, run_dir: Path) -> dict[str, Any]:
             json.loads(json.dumps(cfg.to_dict()))
         ):
             return summary
-    return run_simulation(cfg, run_dir)
+    return run_simulation(cfg, run_dir, overwrite=True)
 
 
 def _what_it_computes(config: Any) -> Any:

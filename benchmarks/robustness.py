@@ -118,7 +118,7 @@ def one_run(
 ) -> dict:
     from nestling.simulator.run import run_simulation
 
-    summary = run_simulation(config(a, screening), work / name, tamper=tamper)
+    summary = run_simulation(config(a, screening), work / name, tamper=tamper, overwrite=True)
     metrics = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines() if line]
     return {
         "name": name,

@@ -50,7 +50,7 @@ def main() -> None:
                 "train": {"fraction": a.per_round / a.devices, "local_epochs": 1, "batch_size": 16},
             }
         )
-        summary = run_simulation(cfg, out)
+        summary = run_simulation(cfg, out, overwrite=True)
         wall = time.perf_counter() - started
     replay = summary["replay"]
     outcomes = replay["outcomes"]

@@ -234,6 +234,7 @@ def run_flower(a: argparse.Namespace, how: Settings) -> dict[str, float]:
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
             "init_args": {"num_cpus": a.workers},
         },
+        overwrite=True,
     )
     return window(stamps)
 

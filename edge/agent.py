@@ -38,6 +38,8 @@ from nestling.wire.fleet_messages import REHELLO, decode_server_status
 from nestling.wire.topics import OFFLINE
 
 log = logging.getLogger("nestling.agent")
+FIRST_NOTICE_S = 5.0  # an agent that found no broker or server by then says what it is waiting for ...
+NOTICE_EVERY_S = 30.0  # ... and repeats it this often while it waits
 
 
 class Agent:
@@ -122,6 +124,7 @@ class Agent:
     # -- control thread --------------------------------------------------------------------------
     def _control(self) -> None:
         next_beat = time.monotonic() + self.config.agent.heartbeat_s
+        next_notice = time.monotonic() + FIRST_NOTICE_S
         while not self._stop.is_set():
             message = self.link.next_message(0.2)
             if message is not None:
@@ -129,7 +132,24 @@ class Agent:
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.config.agent.heartbeat_s
                 self.presence.heartbeat()
+            if time.monotonic() >= next_notice:
+                next_notice = time.monotonic() + NOTICE_EVERY_S
+                self._say_what_it_waits_for()
             self.downloads.tick()
+
+    def _say_what_it_waits_for(self) -> None:
+        """An agent with no broker or no server says so (INFO), rather than waiting in silence."""
+        if not self.link.connected.is_set():
+            log.info(
+                "waiting for the MQTT broker at %s (still retrying; is it running and reachable?)",
+                self.config.broker.url,
+            )
+        elif self.server_session is None:
+            log.info(
+                "connected to the broker; waiting for the server of fleet '%s' (no status on %s yet)",
+                self.topics.fleet,
+                self.topics.server_status,
+            )
 
     def _handle(self, topic: str, payload: bytes) -> None:
         try:
@@ -152,7 +172,12 @@ class Agent:
         greet = self.profiling.for_plan(status.plan)
         if status.session != self.server_session:  # a server process we have not greeted yet
             self.server_session = status.session
-            log.info("new server session %s: registering again", status.session)
+            log.info(
+                "the server of fleet '%s' is up (session %s, %s): sending it this board's hello",
+                self.topics.fleet,
+                status.session,
+                status.phase,
+            )
             greet = True
         if greet:
             self._say_hello()

@@ -168,7 +168,12 @@ def agent_main(argv: list[str]) -> int:
     parser.add_argument(
         "--emulate-device", metavar="ID", default=None, help="the trace's device_id to emulate"
     )
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="INFO (default) says what the agent waits for and does; DEBUG adds every message",
+    )
     args = parser.parse_args(argv)
     configure_logging(
         args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s", force=True

@@ -43,6 +43,7 @@ class AgentLink:
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_message = lambda _c, _u, msg: self._inbox.put((msg.topic, bytes(msg.payload)))
+        self.connected = threading.Event()  # what the agent's "waiting for ..." notices read
 
     def start(self) -> None:
         host, port = self.broker.host_port
@@ -62,10 +63,13 @@ class AgentLink:
                 (self.topics.server_status, QOS),
             ]
         )
+        self.connected.set()
         self._on_connected()
-        log.info("%s connected and registered", self.device_id)
+        # Registered is the server's word, not ours: the agent says so when a server status arrives.
+        log.info("%s connected to the broker at %s; hello sent", self.device_id, self.broker.url)
 
     def _on_disconnect(self, *args: object) -> None:
+        self.connected.clear()
         if not self._stopping.is_set():
             log.warning("lost the broker; paho reconnects by itself")
 

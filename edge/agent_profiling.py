@@ -72,9 +72,11 @@ class AgentProfiling:
                 inputs, cache, self.emulation, repeats=self.config.device.profile_repeats
             )
             self.board = board
+            # an emulated board's figures are its class's, computed, not measured on this machine
+            kind = "emulated" if self.emulation is not None else "measured"
             log.info(
                 "%s profile of %s at batch %d (%s): %.0f MB for training, %.1f GFLOP/s, step %.1f ms",
-                "measured" if fresh else "cached",
+                kind if fresh else f"cached {kind}",
                 board.arch,
                 board.batch,
                 board.source,

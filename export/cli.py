@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nestling.cli_numbers import positive_int
 from nestling.errors import NestlingError
 
 NO_DATA = "none"
@@ -24,14 +25,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--submodel", help="submodel name (k1, L2, r0.5, p0.4, d1, ...) or spec id")
-    which.add_argument("--level", type=int, help="1-based submodel position, smallest first (ScaleFL level)")
+    which.add_argument(
+        "--level", type=positive_int, help="1-based submodel position, smallest first (ScaleFL level)"
+    )
     which.add_argument(
         "--spec", type=Path, help="SubmodelSpec JSON file, sliced from the deployable full model"
     )
     parser.add_argument(
         "--list", action="store_true", help="list the checkpoint's submodels and their exits, then stop"
     )
-    parser.add_argument("--format", choices=("onnx", "tensorrt"), default="onnx")
+    parser.add_argument(
+        "--format",
+        choices=("onnx", "tensorrt"),
+        default="onnx",
+        help="onnx (default; runs anywhere onnxruntime does) or tensorrt (a Jetson engine)",
+    )
     parser.add_argument(
         "--precision",
         choices=("fp32", "fp16", "int8"),
@@ -53,9 +61,13 @@ def _parser() -> argparse.ArgumentParser:
         f"'{NO_DATA}' for random-input parity only)",
     )
     parser.add_argument("--data-root", help="folder of file-backed datasets (or NESTLING_DATA_ROOT)")
-    parser.add_argument("--calib-samples", type=int, default=1024, help="training images for calibration")
-    parser.add_argument("--eval-samples", type=int, default=2000, help="held-out test images for accuracy")
-    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default 17)")
+    parser.add_argument(
+        "--calib-samples", type=positive_int, default=1024, help="training images for calibration"
+    )
+    parser.add_argument(
+        "--eval-samples", type=positive_int, default=2000, help="held-out test images for accuracy"
+    )
+    parser.add_argument("--opset", type=positive_int, default=None, help="ONNX opset (default 17)")
     simplify = parser.add_mutually_exclusive_group()
     simplify.add_argument(
         "--simplify",
@@ -64,16 +76,20 @@ def _parser() -> argparse.ArgumentParser:
         const=True,
         help="simplify with onnxsim (pip install nestling[simplify])",
     )
-    simplify.add_argument("--no-simplify", dest="simplify", action="store_const", const=False)
+    simplify.add_argument(
+        "--no-simplify", dest="simplify", action="store_const", const=False, help="keep the graph as exported"
+    )
     parser.add_argument("--dynamo", action="store_true", help="use the torch.export-based ONNX exporter")
     parser.add_argument(
         "--align-channels",
-        type=int,
+        type=positive_int,
         default=8,
         help="zero-pad conv feature maps to this multiple for fast CPU kernels (1: off; outputs unchanged)",
     )
     parser.add_argument("--no-benchmark", action="store_true", help="skip the latency measurement")
-    parser.add_argument("--threads", type=int, default=1, help="threads for PyTorch and ONNX Runtime alike")
+    parser.add_argument(
+        "--threads", type=positive_int, default=1, help="threads for PyTorch and ONNX Runtime alike"
+    )
     parser.add_argument("--out", type=Path, help="bundle folder to write")
     return parser
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from nestling.cli_numbers import positive_int
 from nestling.errors import DataError, DependencyError, NestlingError
 from nestling.export.bundle import read_bundle
 
@@ -165,8 +166,8 @@ def _parser() -> argparse.ArgumentParser:
         "--model", help="which model of the bundle to run (fp32, int8; default: the bundle's)"
     )
     parser.add_argument("--output", help="graph output to read (bundles exported with --all-exits)")
-    parser.add_argument("--top", type=int, default=1, help="classes to list per input")
-    parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    parser.add_argument("--top", type=positive_int, default=1, help="classes to list per input")
+    parser.add_argument("--threads", type=positive_int, default=1, help="onnxruntime intra-op threads")
     parser.add_argument("--json", action="store_true", help="print predictions as JSON")
     return parser
 

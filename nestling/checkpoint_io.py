@@ -12,6 +12,7 @@ model). Export and boards read this; they never re-create the server's strategy.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,27 +30,43 @@ from nestling.spec import SubmodelSpec
 CHECKPOINT_FORMAT = 1
 DEPLOYABLES = "deployables"  # side name and manifest key
 DEPLOYABLES_FORMAT = 1
+log = logging.getLogger("nestling.checkpoint")
+
 UPGRADE_HINT = "re-save it with `nestling upgrade-checkpoint RUN_DIR` (written by Nestling before checkpoints described their submodels)"
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """Newest checkpoint whose manifest and weights are complete and match their sha256."""
+def checkpoint_damage(candidate: Path) -> str | None:
+    """Why a checkpoint folder cannot be used (missing file, unreadable manifest, sha256 mismatch), or None."""
+    manifest = candidate / "manifest.json"
+    weights = candidate / "global.safetensors"
+    for required in (manifest, weights):
+        if not required.is_file():
+            return f"{required.name} is missing"
+    try:
+        body = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return "manifest.json is unreadable"
+    if not isinstance(body, dict):
+        return "manifest.json is not a JSON object"
+    if body.get("weights_sha256") != sha256_file(weights):
+        return "global.safetensors does not match its sha256 (truncated or altered)"
+    sides = body.get("sides", {}) if isinstance(body.get("sides", {}), dict) else {}
+    for name, digest in sides.items():
+        side = candidate / f"{name}.safetensors"
+        if not side.is_file() or sha256_file(side) != digest:
+            return f"{name}.safetensors is missing or does not match its sha256"
+    return None
+
+
+def latest_checkpoint(root: Path, *, warn: bool = True) -> Path | None:
+    """Newest checkpoint whose manifest and weights are complete and match their sha256. A damaged newer one
+    is reported by name (a WARNING) before the fall back to an older one, never skipped in silence."""
     for candidate in sorted(root.glob("round-*"), reverse=True):
-        manifest = candidate / "manifest.json"
-        weights = candidate / "global.safetensors"
-        if not (manifest.is_file() and weights.is_file()):
-            continue
-        try:
-            body = json.loads(manifest.read_text())
-        except json.JSONDecodeError:
-            continue
-        sides = body.get("sides", {}) if isinstance(body.get("sides", {}), dict) else {}
-        if body.get("weights_sha256") == sha256_file(weights) and all(
-            (candidate / f"{name}.safetensors").is_file()
-            and sha256_file(candidate / f"{name}.safetensors") == digest
-            for name, digest in sides.items()
-        ):
+        damage = checkpoint_damage(candidate)
+        if damage is None:
             return candidate
+        if warn:
+            log.warning("checkpoint %s is damaged (%s): falling back to an older one", candidate, damage)
     return None
 
 

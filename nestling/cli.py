@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -85,7 +86,7 @@ SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--seed", "run.seed", int, "seed of partitions, init, selection and local training"),
     ("--device", "run.device", str, "cpu or cuda[:i]"),
     ("--workers", "run.workers", int, "worker processes (0 = one per core, 1 = in-process)"),
-    ("--eval-every", "run.eval_every", int, "evaluate every N rounds (and at the end)"),
+    ("--eval-every", "run.eval_every", int, "evaluate every N rounds (and at the end; 0: only at the end)"),
     ("--budgets", "method.budgets", str, "FeDepth budget scenario: fair, lack or surplus"),
     ("--traces", "run.traces", str, "device trace file (.jsonl/.csv): replay the fleet on a virtual clock"),
     ("--backend", "run.backend", str, "auto, inprocess, pool or ray (pip install nestling[ray])"),
@@ -130,10 +131,25 @@ def simulate_parser(prog: str = "nestling simulate") -> argparse.ArgumentParser:
         help="any other config value, e.g. --set method.flex=1 (repeatable)",
     )
     parser.add_argument(
-        "--out", type=Path, help="output directory (metrics.jsonl, summary.json, accuracy.png)"
+        "--unset",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY",
+        help="drop a key the --config file sets, e.g. --unset method.flex (repeatable)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="run folder to create (config.toml, metrics.jsonl, summary.json, accuracy.png, checkpoints/); "
+        "default runs/METHOD-MODEL-DATASET",
     )
     parser.add_argument(
         "--resume", type=Path, metavar="DIR", help="continue the run in DIR from its newest checkpoint"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (without it, a folder holding a run is refused)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -153,28 +169,63 @@ def simulate_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def options_left_behind(config_path: Path | None, method: str | None) -> tuple[str, ...]:
+    """When --method replaces the file's method, the file's [method] options the new method does not have
+    (NeFL's `flex` under `--method heterofl`) belong to the old one: dropped, with a note, not an error."""
+    from nestling.config import read_config_file
+    from nestling.server.strategies import STRATEGIES
+
+    if config_path is None or method is None or method not in STRATEGIES:
+        return ()
+    table = read_config_file(config_path).get("method", {})
+    if not isinstance(table, dict) or table.get("name", method) == method:
+        return ()
+    known = STRATEGIES[method].option_defaults
+    dropped = [key for key in table if key not in ("name", "options") and key not in known]
+    if dropped:
+        print(
+            f"note: {config_path}'s [method] options {', '.join(dropped)} are {table.get('name')}'s; "
+            f"--method {method} runs without them",
+            file=sys.stderr,
+        )
+    return tuple(f"method.{key}" for key in dropped)
+
+
 def simulate_main(argv: list[str]) -> int:
     from nestling.config import load_config
     from nestling.progress import RoundProgress, print_submodel_table
+    from nestling.run_folder import check_resumable, finished_summary, refuse_existing_run
     from nestling.simulator.run import run_simulation
 
     args = simulate_parser().parse_args(argv)
-    out = args.resume or args.out
+    if args.resume is not None and (args.out is not None or args.overwrite):
+        raise NestlingError("--resume DIR continues the run in DIR: give it without --out or --overwrite")
     config_path = args.config
-    if args.resume is not None and config_path is None and (args.resume / "config.toml").exists():
-        config_path = args.resume / "config.toml"
-    cfg = load_config(config_path, simulate_overrides(args))
-    out = out or Path("runs") / f"{cfg.method.name}-{cfg.model.arch}-{cfg.data.dataset}"
-    from nestling.config_io import write_config
-
-    out.mkdir(parents=True, exist_ok=True)
-    if args.resume is None:
-        write_config(cfg, out / "config.toml")
+    if args.resume is not None:
+        check_resumable(args.resume)
+        if config_path is None and (args.resume / "config.toml").exists():
+            config_path = args.resume / "config.toml"
+    unset = (*args.unset, *options_left_behind(config_path, args.method))
+    cfg = load_config(config_path, simulate_overrides(args), unset)
+    out = args.resume or args.out or Path("runs") / f"{cfg.method.name}-{cfg.model.arch}-{cfg.data.dataset}"
+    if args.resume is not None:
+        finished = finished_summary(out, cfg.run.rounds)
+        if finished is not None:
+            print(f"{out} has finished its {cfg.run.rounds} rounds: nothing to resume, nothing changed")
+            print_submodel_table(finished)
+            return 0
+    else:
+        refuse_existing_run(out, overwrite=args.overwrite)  # before any data is loaded
     with RoundProgress(
         cfg.run.rounds, enabled=not args.quiet, title=f"{cfg.method.name} · {cfg.model.arch}"
     ) as progress:
-        summary = run_simulation(cfg, out, resume=args.resume is not None, on_round=progress.update)
+        summary = run_simulation(
+            cfg, out, resume=args.resume is not None, overwrite=args.overwrite, on_round=progress.update
+        )
     print_submodel_table(summary)
+    report = (summary.get("replay") or {}).get("report")
+    if report:
+        print(f"replay report: {report} (timeline.jsonl keeps each trace device's id beside its dev-NNNNN)")
     print(f"results in {out}")
     return 0
 
@@ -192,17 +243,37 @@ def _run_external(module: str, function: str, argv: list[str]) -> int:
     return int(entry(argv) or 0)
 
 
+def print_usage(commands: dict[str, str]) -> None:
+    print("usage: nestling COMMAND [options]   (nestling COMMAND --help: that command's options)\n")
+    print("commands:")
+    for name, help_text in commands.items():
+        print(f"  {name:<18} {help_text}")
+    print("\noptions:")
+    print(f"  {'-h, --help':<18} this list")
+    print(f"  {'-V, --version':<18} the installed Nestling version")
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The console entry point; output cut short by a closed pipe (`nestling -h | head`) ends quietly."""
+    try:
+        try:
+            return dispatch(list(sys.argv[1:] if argv is None else argv))
+        finally:
+            sys.stdout.flush()  # here, where a closed pipe can still be caught (and after argparse's exit)
+    except BrokenPipeError:
+        # the reader left: send what is still buffered nowhere, so the interpreter's last flush cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def dispatch(argv: list[str]) -> int:
     commands = {
         "simulate": "run a federated simulation in one process",
         "demo": "the embedded-default demo",
         **{name: help_text for name, (_, _, help_text) in EXTERNAL_COMMANDS.items()},
     }
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: nestling COMMAND [options]\n\ncommands:")
-        for name, help_text in commands.items():
-            print(f"  {name:<14} {help_text}")
+        print_usage(commands)
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
         from nestling import __version__

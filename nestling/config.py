@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -137,7 +138,17 @@ class SimConfig:
             (0.0 < self.train.fraction <= 1.0, "[train] fraction must be in (0, 1]"),
             (self.train.local_epochs >= 1, "[train] local_epochs must be >= 1"),
             (self.train.batch_size >= 1, "[train] batch_size must be >= 1"),
-            (self.train.lr > 0, "[train] lr must be > 0"),
+            (0 < self.train.lr < math.inf, "[train] lr must be a finite number > 0"),
+            (
+                self.train.local_steps is None or self.train.local_steps >= 1,
+                "[train] local_steps must be >= 1",
+            ),
+            (0 <= self.train.momentum < math.inf, "[train] momentum must be a finite number >= 0"),
+            (0 <= self.train.weight_decay < math.inf, "[train] weight_decay must be a finite number >= 0"),
+            (self.run.seed >= 0, "[run] seed must be >= 0"),
+            (self.run.eval_every >= 0, "[run] eval_every must be >= 0 (0: only after the last round)"),
+            (self.data.limit_train is None or self.data.limit_train >= 1, "[data] limit_train must be >= 1"),
+            (self.data.limit_test is None or self.data.limit_test >= 1, "[data] limit_test must be >= 1"),
             (self.run.workers >= 0, "[run] workers must be >= 0"),
             (self.run.calibration_samples >= 0, "[run] calibration_samples must be >= 0 (0: all)"),
             (self.run.over_selection >= 1.0, "[run] over_selection must be >= 1"),
@@ -234,16 +245,28 @@ def config_from_dict(data: dict[str, Any]) -> SimConfig:
     return SimConfig(**built).validate()
 
 
-def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> SimConfig:
-    """Read a TOML file (optional) and apply dotted overrides like {"train.lr": 0.05}."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config file's raw tables (ConfigError when it is missing or not TOML)."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def load_config(
+    path: Path | None, overrides: dict[str, Any] | None = None, unset: tuple[str, ...] = ()
+) -> SimConfig:
+    """Read a TOML file (optional), drop its dotted keys in `unset` (back to their defaults, or gone for a
+    method option) and apply dotted overrides like {"train.lr": 0.05}."""
+    data: dict[str, Any] = read_config_file(path) if path is not None else {}
+    for dotted in unset:
+        section, _, key = dotted.partition(".")
+        table = data.get(section)
+        if not key or not isinstance(table, dict) or key not in table:
+            raise ConfigError(f"--unset {dotted}: the config file sets no such key")
+        del table[key]
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import TracebackType
 from typing import Any
 
@@ -12,32 +13,38 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 
+from nestling.numbers import headline, percent
+
 
 class RoundProgress:
-    """A round counter with the latest accuracies; silent when disabled (CI logs, --quiet)."""
+    """A round counter with the latest accuracies and the time left; silent when disabled (--quiet). On a
+    terminal it is a live bar; elsewhere (a log file, a pipe, CI) one plain line per round, so a long run
+    never goes quiet for minutes."""
 
     def __init__(self, rounds: int, *, enabled: bool = True, title: str = "rounds") -> None:
         self.enabled = enabled
         self.rounds = rounds
+        self.live = enabled and Console().is_terminal
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            TimeRemainingColumn(),
             TextColumn("{task.fields[status]}"),
-            disable=not enabled,
+            disable=not self.live,
         )
         self.title = title
         self.task_id: Any = None
+        self.started = time.monotonic()
+        self.done = 0  # rounds finished in this process (a resumed run starts later)
 
     def __enter__(self) -> RoundProgress:
         self.progress.__enter__()
         self.task_id = self.progress.add_task(self.title, total=self.rounds, status="")
+        self.started = time.monotonic()
         return self
 
     def __exit__(
@@ -45,14 +52,32 @@ class RoundProgress:
     ) -> None:
         self.progress.__exit__(exc_type, exc, traceback)
 
+    def time_left(self, completed: int) -> str:
+        """The rounds left at this process's mean round time so far, as h:mm:ss."""
+        per_round = (time.monotonic() - self.started) / max(1, self.done)
+        return clock_time(per_round * max(0, self.rounds - completed))
+
     def update(self, record: Any) -> None:
+        self.done += 1
+        completed = record.round + 1
         status = ""
         if record.submodels:
             accs = [s["accuracy"] for s in record.submodels]
-            status = f"worst {100 * min(accs):.1f}%  avg {100 * sum(accs) / len(accs):.1f}%"
+            status = f"worst {percent(min(accs))}  avg {percent(sum(accs) / len(accs))}"
         elif record.train_loss is not None:
             status = f"loss {record.train_loss:.3f}"
-        self.progress.update(self.task_id, completed=record.round + 1, status=status)
+        status = f"{status}  left {self.time_left(completed)}".strip()
+        if self.live:
+            self.progress.update(self.task_id, completed=completed, status=status)
+        elif self.enabled:
+            elapsed = clock_time(time.monotonic() - self.started)
+            print(f"{self.title}: round {completed}/{self.rounds}  {elapsed} elapsed  {status}", flush=True)
+
+
+def clock_time(seconds: float) -> str:
+    """Seconds as h:mm:ss."""
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
 def print_submodel_table(summary: dict[str, Any], console: Console | None = None) -> None:
@@ -67,7 +92,7 @@ def print_submodel_table(summary: dict[str, Any], console: Console | None = None
         table.add_row(
             sub["name"],
             sub["id"],
-            f"{100 * sub['accuracy']:.2f}%",
+            percent(sub["accuracy"]),
             f"{sub['loss']:.3f}",
             f"{sub['parameters']:,}",
             f"{sub['macs']:,}",
@@ -75,6 +100,6 @@ def print_submodel_table(summary: dict[str, Any], console: Console | None = None
     console.print(table)
     if summary.get("worst_accuracy") is not None:
         console.print(
-            f"worst {100 * summary['worst_accuracy']:.2f}%  avg {100 * summary['avg_accuracy']:.2f}%  "
+            f"{headline(summary)} · "
             f"wall {summary['wall_seconds']:.1f}s  train {summary['train_seconds']:.1f}s"
         )

@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from nestling.cli_numbers import non_negative_int, positive_float, positive_int, share
 from nestling.errors import NestlingError
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import known_models
@@ -41,21 +42,38 @@ def _profile_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", choices=known_models(), help="architecture (or give --spec)")
     p.add_argument("--spec", type=Path, help="JSON SubmodelSpec to profile instead of --model/--width")
-    p.add_argument("--width", type=float, default=1.0, help="channel ratio of the profiled submodel")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--in-channels", type=int, default=3)
-    p.add_argument("--norm-stats", default="running", choices=("running", "batch"))
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--width", type=share, default=1.0, help="channel ratio of the profiled submodel")
+    p.add_argument("--batch", type=positive_int, default=32, help="training batch measured (default 32)")
+    p.add_argument(
+        "--classes", type=positive_int, default=10, help="classes of the model's head (default 10)"
+    )
+    p.add_argument("--image-size", type=positive_int, default=32, help="input side in pixels (default 32)")
+    p.add_argument("--in-channels", type=positive_int, default=3, help="input channels (default 3)")
+    p.add_argument(
+        "--norm-stats",
+        default="running",
+        choices=("running", "batch"),
+        help="batch norm in the profiled forward: running statistics (default) or batch statistics",
+    )
+    p.add_argument("--repeats", type=positive_int, default=10, help="timed passes per block (default 10)")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed passes first (default 3)")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to measure: cpu or cuda[:i] (default: cuda when there is one)",
+    )
     p.add_argument("--name", help="device name recorded in the profile (default: host name)")
     p.add_argument(
-        "--budget-mb", type=float, help="memory this device may spend on training, recorded for planning"
+        "--budget-mb",
+        type=positive_float,
+        help="memory this device may spend on training, recorded for planning",
     )
-    p.add_argument("--gflops-seconds", type=float, default=1.0, help="duration of the sustained matmul test")
-    p.add_argument("--out", type=Path, default=Path("profile.json"))
+    p.add_argument(
+        "--gflops-seconds", type=positive_float, default=1.0, help="duration of the sustained matmul test"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("profile.json"), help="profile to write (default profile.json)"
+    )
     return p
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from nestling.cli_numbers import non_negative_int
 from nestling.errors import ConfigError, DependencyError
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,9 @@ def broker_main(argv: list[str]) -> int:
     """`nestling broker [--host H] [--port P]`: serve the embedded broker until Ctrl-C."""
     parser = argparse.ArgumentParser(prog="nestling broker", description="Run the embedded MQTT broker.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    parser.add_argument("--port", type=int, default=1883, help="TCP port (0 picks a free one; default 1883)")
+    parser.add_argument(
+        "--port", type=non_negative_int, default=1883, help="TCP port (0 picks a free one; default 1883)"
+    )
     args = parser.parse_args(argv)
     stop = threading.Event()
     # Both signals only set the event: a KeyboardInterrupt raised wherever the main thread happens to be

@@ -16,6 +16,8 @@ from nestling.calibration import calibration_subset
 from nestling.data import load_dataset
 from nestling.errors import NestlingError
 from nestling.log_setup import configure_logging
+from nestling.numbers import headline, percent
+from nestling.run_folder import finished_summary, refuse_existing_run, run_artifacts, start_new_run
 from nestling.server.checkpoint import latest_checkpoint
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundRecord
@@ -76,7 +78,7 @@ def round_line(record: RoundRecord, total: int) -> str:
     if record.replans:  # a board's speed drifted (or it ran out of memory): it trains another submodel now
         moved = ", ".join(f"{r['device']} ({r['reason']})" for r in record.replans)
         notes.append(f"re-planned {moved}")
-    accuracies = " ".join(f"{s['name']} {100 * s['accuracy']:.1f}%" for s in record.submodels)
+    accuracies = " ".join(f"{s['name']} {percent(s['accuracy'])}" for s in record.submodels)
     return f"round {record.round + 1}/{total}: {', '.join(notes)}, {record.wall_seconds:.1f}s  {accuracies}"
 
 
@@ -106,20 +108,36 @@ def finish_exports(
 
 
 def run_fleet(
-    cfg: FleetConfig, *, resume: bool = False, on_round: Callable[[RoundRecord], None] | None = None
+    cfg: FleetConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    on_round: Callable[[RoundRecord], None] | None = None,
 ) -> dict[str, Any]:
-    """Wait for the fleet, run (or resume) every round, write metrics.jsonl, checkpoints and summary.json."""
+    """Wait for the fleet, run (or resume) every round, write metrics.jsonl, checkpoints and summary.json.
+    The run folder is touched only once the broker answered: a failed start leaves it exactly as it was; a
+    folder holding a run is refused unless `resume` or `overwrite`; a finished run resumed changes nothing."""
     started = time.perf_counter()
     torch.set_num_threads(1)
     run = cfg.run.run
+    out_dir = cfg.out_dir
+    if resume and not run_artifacts(out_dir):  # a service's first start runs with --resume too
+        print(f"no run in {out_dir} yet: starting one", flush=True)
+        resume = False
+    if resume:
+        finished = finished_summary(out_dir, run.rounds)
+        if finished is not None:
+            print(f"{out_dir} has finished its {run.rounds} rounds: nothing to resume, nothing changed")
+            return finished
+    else:
+        refuse_existing_run(out_dir, overwrite=overwrite)
     opts = {} if cfg.run.data.limit_test is None else {"limit_test": cfg.run.data.limit_test}
     bundle = load_dataset(cfg.run.data.dataset, cfg.run.data.root, seed=run.seed, **opts)
     strategy = make_strategy(cfg, bundle.num_classes, bundle.input_shape, bundle.name)
-    out_dir = cfg.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_run_file(out_dir, strategy)  # `nestling plan --fleet` re-creates the strategy from it
+    # A resumed fleet keeps its boards' indices; a new one starts from none (registry.json is written once
+    # the run has started).
     registry = DeviceRegistry(
-        out_dir / "registry.json",
+        out_dir / "registry.json" if resume else None,
         heartbeat_timeout_s=cfg.fleet.heartbeat_timeout_s,
         enrolment=cfg.enrolment,
     )
@@ -144,13 +162,17 @@ def run_fleet(
             on_round(record)
 
     coordinator = Coordinator(strategy, transport, clock, evaluator, policy, out_dir, report)
-    if resume and latest_checkpoint(out_dir / "checkpoints") is not None:
+    transport.connect(
+        *cfg.broker.host_port
+    )  # an unreachable broker ends the start here, the folder untouched
+    if resume and latest_checkpoint(out_dir / "checkpoints", warn=False) is not None:
         print(f"resuming after round {coordinator.resume()} of {run.rounds}", flush=True)
     else:
         if resume:
             print("no complete checkpoint yet: starting from round 1", flush=True)
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    transport.connect(*cfg.broker.host_port)
+        start_new_run(out_dir, overwrite=overwrite or resume)
+        registry.path = out_dir / "registry.json"
+    write_run_file(out_dir, strategy)  # `nestling plan --fleet` re-creates the strategy from it
     try:
         transport.publish_status("waiting", coordinator.start_round)
         print(
@@ -230,6 +252,11 @@ def server_main(argv: list[str]) -> int:
         help="admit any device id the broker lets in (up to [fleet] devices) instead of fleet.toml's [enrolment]",
     )
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in the config's out_dir (without it, a folder holding a run is refused)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("/etc/systemd/system"),
@@ -238,7 +265,12 @@ def server_main(argv: list[str]) -> int:
     parser.add_argument(
         "--user", default=None, help="install-service: account the server runs as (default: you)"
     )
-    parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="how much the server logs besides its round lines (default WARNING)",
+    )
     args = parser.parse_args(argv)
     configure_logging(
         args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s", force=True
@@ -246,15 +278,19 @@ def server_main(argv: list[str]) -> int:
     if args.action == "install-service":
         return _install_service(args.config, args.out, args.user)
     try:
+        if args.resume and args.overwrite:
+            raise NestlingError("--resume continues the run in out_dir and --overwrite replaces it: give one")
         summary = run_fleet(
-            load_fleet_config(args.config, open_enrolment=args.open_enrolment), resume=args.resume
+            load_fleet_config(args.config, open_enrolment=args.open_enrolment),
+            resume=args.resume,
+            overwrite=args.overwrite,
         )
     except NestlingError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print_plan_table(summary)
     print(
-        f"done: {summary['rounds']} rounds, worst {summary['worst_accuracy']}, avg {summary['avg_accuracy']}",
+        f"done: {summary['rounds']} rounds, {headline(summary)}",
         flush=True,
     )
     return 0

@@ -22,9 +22,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from nestling.cli_numbers import positive_float, positive_int
 from nestling.errors import NestlingError
+from nestling.numbers import headline, percent, seconds
 from nestling.plugins import ENV as PLUGINS_ENV
 from nestling.profiler.demo_boards import DEMO_BOARDS
+from nestling.run_folder import run_artifacts
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.fleet import run_fleet
 from nestling.server.fleet_config import load_fleet_config
@@ -151,7 +154,7 @@ def print_table(summary: dict[str, Any]) -> None:
             sub["name"],
             f"{sub['parameters']:,}",
             f"{sub['macs']:,}",
-            f"{100 * sub['accuracy']:.1f}%",
+            percent(sub["accuracy"]),
             boards or "no board is sized to it",
         )
     console = Console()
@@ -159,27 +162,36 @@ def print_table(summary: dict[str, Any]) -> None:
     print_plan_table(summary, console, classes)
     transport = summary["transport"]
     rejected = sum(v for k, v in transport.items() if k.startswith("rejected_"))
-    if trained:
-        console.print(
-            f"trained submodels: worst {100 * min(trained):.1f}%, average "
-            f"{100 * sum(trained) / len(trained):.1f}% · {transport.get('accepted', 0)}/"
-            f"{transport.get('dispatched', 0)} results accepted, {rejected} rejected · "
-            f"{summary['wall_seconds']:.0f} s"
-        )
+    deadline = summary.get("config", {}).get("run", {}).get("deadline_s")
+    console.print(
+        f"{headline(summary)} over all {len(summary['submodels'])} submodels (summary.json; "
+        f"{len(trained)} trained by a board) · round deadline {seconds(deadline)} s · "
+        f"{transport.get('accepted', 0)}/{transport.get('dispatched', 0)} results accepted, {rejected} rejected · "
+        f"{summary['wall_seconds']:.0f} s"
+    )
 
 
 def demo_main(argv: list[str]) -> int:
     """`nestling demo [--rounds N] [--model resnet20] [--out DIR]`."""
     parser = argparse.ArgumentParser(prog="nestling demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=positive_int, default=6, help="communication rounds (default 6)")
     parser.add_argument(
         "--model", default="resnet20", help="any zoo model with a NeFL family (tinycnn is faster)"
     )
-    parser.add_argument("--local-steps", type=int, default=5, help="SGD steps per board per round")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--out", type=Path, default=Path("runs/demo-fleet"))
+    parser.add_argument("--local-steps", type=positive_int, default=5, help="SGD steps per board per round")
+    parser.add_argument(
+        "--lr", type=positive_float, default=0.05, help="boards' learning rate (default 0.05)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/demo-fleet"),
+        help="folder for fleet.toml, agent logs and the run in out/ (default runs/demo-fleet)",
+    )
     args = parser.parse_args(argv)
     work = args.out.resolve()
+    if run_artifacts(work / "out"):  # the demo's folder is its own: each demo is a fresh run
+        print(f"replacing the previous demo run in {work / 'out'}", flush=True)
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
@@ -193,7 +205,7 @@ def demo_main(argv: list[str]) -> int:
             )
             agents = start_agents(broker.url, work)
             try:
-                summary = run_fleet(load_fleet_config(work / "fleet.toml"))
+                summary = run_fleet(load_fleet_config(work / "fleet.toml"), overwrite=True)
             finally:
                 stop_agents(agents)
     except NestlingError as exc:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from nestling.cli_numbers import non_negative_float, positive_float, positive_int, share
 from nestling.errors import NestlingError
 from nestling.models.zoo import known_models
 from nestling.profiler.cli import MIB, _console, _write_json
@@ -26,7 +28,11 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("profiles", nargs="*", type=Path, help="device profiles written by `nestling profile`")
     p.add_argument(
-        "--budget-mb", type=float, nargs="+", help="memory budgets: one per profile, or devices of their own"
+        "--budget-mb",
+        type=positive_float,
+        nargs="+",
+        help="memory budgets (MiB): one per profile, several for one profile (that board at each budget), "
+        "or devices of their own without profiles",
     )
     p.add_argument("--method", choices=sorted(plannable_methods()), help="required without --fleet")
     p.add_argument("--model", choices=known_models(), help="required without --fleet")
@@ -37,24 +43,33 @@ def _plan_parser() -> argparse.ArgumentParser:
         help="a fleet run's out_dir: what its server would assign next to the boards in its registry.json",
     )
     p.add_argument(
-        "--deadline", type=float, help="--fleet: plan for this round deadline (s) instead of the run's"
+        "--deadline",
+        type=positive_float,
+        help="--fleet: plan for this round deadline (s) instead of the run's",
     )
-    p.add_argument("--train-share", type=float, help="--fleet: share of the deadline planned for training")
-    p.add_argument("--batch", type=int, help="training batch (default: the first profile's, else 32)")
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--in-channels", type=int, default=3)
-    p.add_argument("--step-ms", type=float, help="time budget per training step")
+    p.add_argument("--train-share", type=share, help="--fleet: share of the deadline planned for training")
+    p.add_argument(
+        "--batch", type=positive_int, help="training batch (default: the first profile's, else 32)"
+    )
+    p.add_argument(
+        "--classes", type=positive_int, default=10, help="classes of the model's head (default 10)"
+    )
+    p.add_argument("--image-size", type=positive_int, default=32, help="input side in pixels (default 32)")
+    p.add_argument("--in-channels", type=positive_int, default=3, help="input channels (default 3)")
+    p.add_argument("--step-ms", type=positive_float, help="time budget per training step")
     p.add_argument(
         "--memory-fraction",
-        type=float,
+        type=share,
         default=0.5,
         help="share of a profile's available memory used when it records no budget",
     )
     p.add_argument(
-        "--levels", type=int, default=4, help="ScaleFL: number of complexity levels (k-means clusters)"
+        "--levels",
+        type=positive_int,
+        default=4,
+        help="ScaleFL: number of complexity levels (k-means clusters)",
     )
-    p.add_argument("--tolerance", type=float, default=0.05, help="FeDepth τ / ScaleFL ε")
+    p.add_argument("--tolerance", type=non_negative_float, default=0.05, help="FeDepth τ / ScaleFL ε")
     p.add_argument(
         "--option",
         action="append",
@@ -73,8 +88,19 @@ def _devices(args: argparse.Namespace) -> tuple[list[DeviceBudget], int | None]:
         if not path.is_file():
             raise NestlingError(f"profile {path} does not exist")
         profiles.append(json.loads(path.read_text()))
+    if len(profiles) == 1 and len(budgets) > 1:  # one measured board, planned at each budget
+        devices = []
+        for mb in budgets:
+            board = DeviceBudget.from_profile(
+                profiles[0], memory_bytes=int(mb * MIB), step_ms_budget=args.step_ms
+            )
+            devices.append(replace(board, name=f"{board.name}@{mb:g}MiB"))
+        return devices, int(profiles[0]["model"]["batch"]) if "model" in profiles[0] else None
     if profiles and budgets and len(budgets) != len(profiles):
-        raise NestlingError(f"--budget-mb has {len(budgets)} values for {len(profiles)} profiles")
+        raise NestlingError(
+            f"--budget-mb has {len(budgets)} values for {len(profiles)} profiles: give one per profile, "
+            "or several with one profile"
+        )
     if profiles:
         devices = [
             DeviceBudget.from_profile(

@@ -15,6 +15,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from nestling.numbers import mebibytes, seconds
+
 # The last plan's fields a board's summary keeps as they were recorded.
 _LAST = ("spec", "reason", "predicted_s", "memory_bytes", "budget_bytes", "time_budget_s", "source")
 
@@ -58,15 +60,12 @@ def summarise_plans(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"plans": boards, "replans": replans} if boards else {}
 
 
-def _seconds(value: Any) -> str:
-    return "-" if value is None else f"{float(value):.2f}"
-
-
 def print_plan_table(
     summary: Mapping[str, Any], console: Console | None = None, labels: Mapping[str, str] | None = None
 ) -> None:
-    """Per profiled board: the submodel it ended on (and those it trained before), why, median predicted and
-    observed training seconds, and its re-plans. Prints nothing for a run without profiled boards."""
+    """Per profiled board: the submodel it ended on (and those it trained before), why, the memory it needs
+    against its budget, the training time allowed by the round's deadline, median predicted and observed
+    training seconds, and its re-plans. Prints nothing for a run without profiled boards."""
     plans = summary.get("plans") or {}
     if not plans:
         return
@@ -79,7 +78,9 @@ def print_plan_table(
     )
     for column in ("board", *(["class"] if labels else []), "submodel", "reason"):
         table.add_column(column)
-    for column in ("pred. s", "obs. s", "re-plans"):  # medians over the rounds the board was planned
+    # memory: the plan's estimate / the board's budget; allowed s: the deadline's training share; then medians
+    # over the rounds the board was planned
+    for column in ("MiB / budget", "allowed s", "pred. s", "obs. s", "re-plans"):
         table.add_column(column, justify="right")
     for device, board in plans.items():
         earlier = [names.get(s, s[:8]) for s in board["specs"] if s != board["spec"]]
@@ -89,8 +90,10 @@ def print_plan_table(
             *([labels.get(device, "?")] if labels else []),
             trained + (f" (was {', '.join(earlier)})" if earlier else ""),
             str(board["reason"]),
-            _seconds(board["predicted_s_median"]),
-            _seconds(board["observed_s_median"]),
+            f"{mebibytes(board.get('memory_bytes'))} / {mebibytes(board.get('budget_bytes'))}",
+            seconds(board.get("time_budget_s")),
+            seconds(board["predicted_s_median"]),
+            seconds(board["observed_s_median"]),
             str(board["replans"]),
         )
     (console or Console()).print(table)

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nestling.cli_numbers import positive_int
 from nestling.errors import ConfigError
 from nestling.profiler.catalogue import get_board
 from nestling.profiler.traces import ANY_MODEL, DeviceTrace, save_traces
@@ -201,7 +202,7 @@ def traces_import_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="trace file to write (.jsonl or .csv)")
     parser.add_argument(
         "--memory-budget",
-        type=int,
+        type=positive_int,
         metavar="BYTES",
         help=f"training memory budget per device (default: the {DEFAULT_BUDGET_BOARD} class budget)",
     )

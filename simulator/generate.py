@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nestling.cli_numbers import non_negative_int, positive_int
 from nestling.errors import ConfigError
 from nestling.profiler.catalogue import BOARDS, get_board
 from nestling.profiler.traces import DeviceTrace, save_traces
@@ -188,8 +189,8 @@ def traces_generate_main(argv: Sequence[str] | None = None) -> int:
         help="class mix like rpi4:0.4,jetson-nano:0.3,phone-mid:0.3 "
         f"(default: a mix of all classes; known: {', '.join(BOARDS)})",
     )
-    parser.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--devices", type=positive_int, required=True, metavar="N", help="number of devices")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
     parser.add_argument("--out", type=Path, required=True, help="trace file to write (.jsonl or .csv)")
     parser.add_argument(
         "--diurnal",

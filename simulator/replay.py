@@ -147,7 +147,12 @@ class Replay:
             events = self.transport.drain_events()
             with self.timeline.open("a") as stream:
                 for event in events:
-                    row = {**asdict(event), "device_class": self.fleet.device_class(event.device_id)}
+                    trace = self.fleet.trace_of(event.device_id)  # the id the trace file gave this board
+                    row = {
+                        **asdict(event),
+                        "device_class": trace.device_class,
+                        "trace_device": trace.device_id,
+                    }
                     stream.write(json.dumps(row) + "\n")
             if on_round is not None:
                 on_round(record)

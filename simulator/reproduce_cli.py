@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.config import SimConfig, config_from_dict
-from nestling.config_io import config_to_toml, write_config
+from nestling.config_io import config_to_toml
 from nestling.errors import ConfigError
 from nestling.simulator.reproduce import (
     SCALES,
@@ -117,10 +117,11 @@ def run_one(cfg: SimConfig, run_dir: Path, quiet: bool, title: str) -> None:
     state = run_state(run_dir, cfg)
     if state == "done":
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_config(cfg, run_dir / "config.toml")
     with RoundProgress(cfg.run.rounds, enabled=not quiet, title=title) as progress:
-        run_simulation(cfg, run_dir, resume=state == "partial", on_round=progress.update)
+        # "new" may still hold this configuration's attempt that stopped before its first checkpoint
+        run_simulation(
+            cfg, run_dir, resume=state == "partial", overwrite=state == "new", on_round=progress.update
+        )
 
 
 def reproduce(

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from nestling.config import SimConfig
+from nestling.config_io import write_config
 from nestling.profiler.traces import load_traces
+from nestling.run_folder import check_resumable, finished_summary, refuse_existing_run, start_new_run
 from nestling.server.clock import WallClock
 from nestling.server.coordinator import Coordinator, RoundRecord
 from nestling.server.run_report import (
@@ -100,11 +102,27 @@ def make_devices(fleet: FleetData, count: int) -> list[DeviceInfo]:
 
 
 def run_simulation(
-    cfg: SimConfig, out_dir: Path, *, resume: bool = False, on_round: Any = None, tamper: Any = None
+    cfg: SimConfig,
+    out_dir: Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    on_round: Any = None,
+    tamper: Any = None,
 ) -> dict[str, Any]:
-    """Run (or resume) a simulation; writes metrics.jsonl, checkpoints, summary.json and accuracy.png.
+    """Run (or resume) a simulation; writes config.toml, metrics.jsonl, checkpoints, summary.json and
+    accuracy.png. A folder holding a run is refused unless `resume` or `overwrite`; it is claimed only once
+    the data, the strategy and the backend are ready, so a failed start leaves it as it was; a finished run
+    resumed returns its summary and changes nothing.
     `tamper(task, result) -> result` stands in for bad boards (benchmarks/robustness.py)."""
     started = time.perf_counter()
+    if resume:
+        check_resumable(out_dir)
+        finished = finished_summary(out_dir, cfg.run.rounds)
+        if finished is not None:
+            return finished
+    else:
+        refuse_existing_run(out_dir, overwrite=overwrite)
     torch.set_num_threads(1)
     traces = load_traces(cfg.run.traces) if cfg.run.traces else None
     count = fleet_size(cfg.data.clients, len(traces)) if traces else cfg.data.clients
@@ -129,7 +147,9 @@ def run_simulation(
         lambda device: devices[device_index(device)].num_samples,
         resolve_workers(cfg),
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        start_new_run(out_dir, overwrite=overwrite)
+        write_config(cfg, out_dir / "config.toml")
     replay = None
     if traces:
         plan = (strategy.full_spec, strategy.batch_size)  # replayed boards send their trace's profile
@@ -152,8 +172,6 @@ def run_simulation(
     )
     if resume:
         coordinator.resume()
-    elif (out_dir / "metrics.jsonl").exists():
-        (out_dir / "metrics.jsonl").unlink()
     if replay:
         kept = read_metrics(out_dir)
         replay.start(coordinator.start_round if resume else None, kept[-1]["virtual_time"] if kept else 0.0)

@@ -122,7 +122,10 @@ def load_cifar(variant: str, root: str | Path | None, cache_dir: str | Path | No
         raise DataError(f"unknown CIFAR variant {variant!r} (known: {', '.join(_VARIANTS)})")
     if root is None:
         if not os.environ.get(DATA_ROOT_ENV):
-            raise DataError(f"{variant} needs a root folder (pass root=... or set ${DATA_ROOT_ENV})")
+            raise DataError(
+                f'{variant} needs its data folder: --data-root DIR on the command line, root = "DIR" under '
+                f"[data] in a config file, or ${DATA_ROOT_ENV}"
+            )
         root = os.environ[DATA_ROOT_ENV]
     folder = Path(root).expanduser()
     if not folder.is_dir():

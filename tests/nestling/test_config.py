@@ -147,3 +147,13 @@ def test_a_missing_data_directory_is_a_data_error_naming_it(tmp_path: Path) -> N
         load_fleet_data(
             cfg.data.dataset, cfg.data.root, cfg.run.seed, cfg.data.partition, cfg.data.clients, {}
         )
+
+
+def test_unset_drops_a_key_the_file_sets(tmp_path: Path) -> None:
+    """`--unset method.flex`: a key of the file gone (a method option) or back to its default."""
+    path = tmp_path / "run.toml"
+    path.write_text('[method]\nname = "heterofl"\nflex = 2\n[train]\nlr = 0.5\n')
+    cfg = load_config(path, unset=("method.flex", "train.lr"))
+    assert "flex" not in cfg.method.options and cfg.train.lr == load_config(None).train.lr
+    with pytest.raises(ConfigError, match=r"--unset method.flux: the config file sets no such key"):
+        load_config(path, unset=("method.flux",))

@@ -200,6 +200,8 @@ class TestSimulateWithTraces:
         assert times == sorted(times) and times[0] > 0
         timeline = read_jsonl(tmp_path / "run" / "timeline.jsonl")
         assert {row["round"] for row in timeline} == {0, 1, 2}
+        for row in timeline:  # the trace file's own ids are kept beside the run's dev-NNNNN
+            assert row["trace_device"] == f"t{int(row['device_id'].rsplit('-', 1)[1]) % 6}"
         for record in metrics:  # 3 needed, 5 dispatched (x1.5 over-selection): 2 stragglers never used
             rows = [row for row in timeline if row["round"] == record["round"]]
             assert len(rows) == 5 and sum(row["outcome"] == "used" for row in rows) == record["accepted"] == 3

@@ -108,7 +108,7 @@ def test_unknown_option_and_bad_limit_are_config_errors() -> None:
 
 def test_file_backed_sets_without_root_name_what_is_missing(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("NESTLING_DATA_ROOT", raising=False)
-    with pytest.raises(DataError, match=r"cifar10 needs a root folder"):
+    with pytest.raises(DataError, match=r"cifar10 needs its data folder: --data-root DIR"):
         load_dataset("cifar10")
     missing = tmp_path / "nowhere"
     with pytest.raises(DataError, match=str(missing)):
