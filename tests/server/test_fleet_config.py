@@ -40,7 +40,7 @@ def test_fleet_defaults_over_select_and_close_rounds_by_deadline(tmp_path):
         ({"broker": {"url": "http://x"}}, "mqtt://"),
         ({"broker": {"fleet": "a/b"}}, "fleet"),
         ({"swarm": {}}, "unknown fleet config sections"),
-        ({"train": {"lr": -1}}, "lr must be > 0"),
+        ({"train": {"lr": -1}}, "lr must be a finite number > 0"),
     ],
 )
 def test_mistakes_are_named(tmp_path, table, message):
