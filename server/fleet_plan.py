@@ -16,6 +16,7 @@ from nestling.errors import NestlingError
 from nestling.profiler.board_profile import ProfileError, parse_board_profile
 from nestling.profiler.estimator import estimate
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
+from nestling.server.registry import JOURNAL_SUFFIX, read_registry
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo, Strategy
 from nestling.spec import SubmodelSpec
@@ -81,12 +82,12 @@ def load_run_strategy(
 def registered_devices(run_dir: Path) -> list[DeviceInfo]:
     """The boards in the run's registry.json as the strategies see them (profiles validated again)."""
     path = run_dir / "registry.json"
-    if not path.is_file():
+    if not path.is_file() and not path.with_name(path.name + JOURNAL_SUFFIX).is_file():
         raise NestlingError(f"--fleet {run_dir}: no registry.json (no board has registered yet)")
-    stored = _read_json(path)
-    devices = stored.get("devices") if isinstance(stored, dict) else None
-    if not isinstance(devices, dict):
-        raise NestlingError(f"{path}: no 'devices' table")
+    try:
+        devices = read_registry(path)[1]
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise NestlingError(f"cannot read {path}: {exc}") from None
     out = []
     for device_id, entry in sorted(devices.items()):
         try:

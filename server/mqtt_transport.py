@@ -155,6 +155,7 @@ class MqttTransport:
         """Leave cleanly: the last status stays retained (no last will), then the network thread ends."""
         self.status.settle(2.0)
         self.link.close()
+        self.registry.compact()  # one snapshot for `nestling plan --fleet` and the next start
 
     # -- Transport -------------------------------------------------------------------------------
     def devices(self) -> list[DeviceInfo]:

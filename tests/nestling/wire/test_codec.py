@@ -144,9 +144,10 @@ def test_oversized_message_is_rejected_before_parsing():
         decode_message(payload, max_bytes=len(payload) - 1)
 
 
-def test_unknown_header_fields_are_tolerated_for_forward_compatibility():
-    header = valid_header(added_in_a_later_minor="x")
-    assert decode_message(frame(header)).header["added_in_a_later_minor"] == "x"
+def test_unknown_header_fields_are_refused_by_name():
+    """A new field is a new schema version (SUPPORTED_SCHEMA_VERSIONS), never a silent extra."""
+    with pytest.raises(WireError, match="unknown header field.*added_in_a_later_minor"):
+        decode_message(frame(valid_header(added_in_a_later_minor="x")))
 
 
 def test_check_finite_names_the_first_poisoned_tensor():
