@@ -211,7 +211,7 @@ class MqttTransport:
         for device_id, task_id in list(self._open.items()):
             entry = self._tasks[task_id]
             if entry.round == round_index:
-                entry.state = "cancelled" if entry.state in ("pending", "dropped") else entry.state
+                entry.state = "cancelled" if entry.state in ("pending", "dropped", "refused") else entry.state
                 entry.frames = []
                 del self._open[device_id]
                 self.chunks.forget(device_id)
@@ -219,10 +219,11 @@ class MqttTransport:
         self.publish_status("aggregating", round_index)
 
     def reopen(self, task_id: str) -> None:
-        """The coordinator refused this result for a reason the board can fix: a corrected one is welcome."""
+        """The coordinator refused this result: it is the board's answer (the round need not wait for it), but a
+        corrected one is still welcome while the round is open."""
         entry = self._tasks.get(task_id)
         if entry is not None and entry.state == "accepted":
-            entry.state = "pending"
+            entry.state = "refused"
             held = self._held.pop(task_id, None)
             if held is not None:
                 entry.state = "accepted"
@@ -325,7 +326,12 @@ class MqttTransport:
         self._on_result(device_id, payload, inbound.max_payload_bytes)
 
     def _on_result(self, device_id: str, payload: bytes, limit: int) -> None:
-        result, session = decode_result(decode_message(payload, max_bytes=limit))
+        message = decode_message(payload, max_bytes=limit)  # a frame damaged on its way is not an answer ...
+        try:
+            result, session = decode_result(message)
+        except WireError:
+            self._answered_refused(device_id)  # ... but an intact one that breaks the schema is the board's
+            raise
         entry = self._tasks.get(result.task_id)
         reason = check_result(device_id, result, session, self.session, entry, self.status.round)
         if reason == "duplicate" and entry is not None and entry.round == self.status.round:
@@ -333,6 +339,8 @@ class MqttTransport:
             # later one, so a board's corrected result is not lost to a race with that verdict.
             self._held[result.task_id] = result
         if reason is not None:
+            if reason in ("wrong_tensors", "non_finite"):
+                self._answered_refused(device_id)
             self._reject(device_id, reason, detail=f"task {result.task_id} round {result.round}")
             return
         assert entry is not None
@@ -340,6 +348,12 @@ class MqttTransport:
         self.counters["accepted"] += 1
         self.trained_by.setdefault(result.spec_id, set()).add(device_id)
         self._ready.append(result)
+
+    def _answered_refused(self, device_id: str) -> None:
+        """The board's open task got an answer that was refused: the round need not wait for it any longer."""
+        entry = self._tasks.get(self._open.get(device_id, ""))
+        if entry is not None and entry.state == "pending":
+            entry.state = "refused"
 
     # -- timers ----------------------------------------------------------------------------------
     def _tick(self) -> None:
@@ -354,6 +368,7 @@ class MqttTransport:
             self.campaign.resend_all()
         self.membership.expire(self.clock.now())
         for device_id, transfer_id in self.chunks.tick():
+            self._answered_refused(device_id)
             self._reject(device_id, "missing_chunks", key=transfer_id)
 
     def _forget_before(self, round_index: int | None) -> None:
