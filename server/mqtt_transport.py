@@ -39,6 +39,7 @@ from nestling.server.registry import DeviceRegistry
 from nestling.server.status_publisher import ServerStatusPublisher
 from nestling.server.strategies.base import DeviceInfo
 from nestling.server.transport import Delivery
+from nestling.wire.broker_settings import BrokerSettings
 from nestling.wire.chunking import DEFAULT_CHUNK_SIZE
 from nestling.wire.codec import (
     CHUNK_KIND,
@@ -49,12 +50,24 @@ from nestling.wire.codec import (
 )
 from nestling.wire.export_messages import EXPORT_REPORT, ExportOrder, ExportReport
 from nestling.wire.fleet_messages import RESULT, decode_result, encode_task
-from nestling.wire.topics import HELLO, STATUS, FleetTopics, parse_topic
+from nestling.wire.topics import HELLO, OFFLINE, STATUS, FleetTopics, parse_topic
 from nestling.wire.topics import RESULT as RESULT_CHANNEL
 
 log = logging.getLogger("nestling.mqtt")
 
 RESULT_SLACK_BYTES = 1024 * 1024  # a result may exceed its task's encoded size by its header, no more
+
+
+def server_client(broker: BrokerSettings, topics: FleetTopics) -> mqtt.Client:
+    """The server's paho client: its fleet's id, a last will on server/status, and a clean session.
+
+    Clean, so a restarted server never acts on what was queued for it while it was down (a hello that made an
+    earlier server fail would otherwise come back on every start). Nothing honest is lost: boards resend their
+    result when the round is re-announced (every (re)connect announces it), tasks are resent on reconnect, and a
+    heartbeat from a board the server does not know gets a rehello."""
+    return broker.client(
+        f"nestling-{topics.fleet}-server", will=(topics.server_status, OFFLINE, True), clean_session=True
+    )
 
 
 @dataclass
