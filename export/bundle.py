@@ -12,6 +12,7 @@ from typing import Any
 
 from nestling.errors import DataError
 from nestling.hashing import sha256_file
+from nestling.strict_json import strict_dumps
 
 BUNDLE_FORMAT = 1
 MANIFEST_NAME = "bundle.json"
@@ -26,7 +27,7 @@ def write_bundle(folder: Path, manifest: dict[str, Any], files: list[str]) -> Pa
     }
     target = folder / MANIFEST_NAME
     tmp = folder / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    tmp.write_text(strict_dumps(body, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, target)
     return target
 

@@ -20,6 +20,7 @@ from nestling.server.registry import JOURNAL_SUFFIX, read_registry
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo, Strategy
 from nestling.spec import SubmodelSpec
+from nestling.strict_json import strict_dumps
 
 RUN_FILE = "run.json"
 RUN_SCHEMA = "nestling.run/1"
@@ -30,7 +31,7 @@ def write_run_file(out_dir: Path, strategy: Strategy) -> Path:
     """What a fleet run plans with, written when it starts (a run without checkpoints can still be planned)."""
     path = out_dir / RUN_FILE
     record = {"schema": RUN_SCHEMA, "method": strategy.name, "context": strategy.ctx.to_record()}
-    path.write_text(json.dumps(record, indent=1, sort_keys=True))
+    path.write_text(strict_dumps(record, indent=1, sort_keys=True))
     return path
 
 

@@ -27,6 +27,7 @@ from nestling.simulator.emulated_fleet import trace_profile
 from nestling.simulator.fleetdata import client_provider, device_id, device_index
 from nestling.simulator.inprocess import InProcessTransport
 from nestling.spec import SubmodelSpec
+from nestling.strict_json import strict_dumps
 
 TIMELINE = "timeline.jsonl"
 
@@ -148,7 +149,7 @@ class Replay:
             with self.timeline.open("a") as stream:
                 for event in events:
                     row = {**asdict(event), "device_class": self.fleet.device_class(event.device_id)}
-                    stream.write(json.dumps(row) + "\n")
+                    stream.write(strict_dumps(row) + "\n")
             if on_round is not None:
                 on_round(record)
 
