@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from nestling.models.config import ModelConfig
@@ -113,9 +113,20 @@ class BoardProfile:
     task_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        # by hand, not dataclasses.asdict: a hello's 256 parts are written on every registration
+        data: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         data["schema"] = SCHEMA
-        data["parts"] = [asdict(p) for p in self.parts]
+        data["parts"] = [
+            {
+                "name": p.name,
+                "forward_s": p.forward_s,
+                "backward_s": p.backward_s,
+                "activation_bytes": p.activation_bytes,
+            }
+            for p in self.parts
+        ]
+        if self.narrow is not None:
+            data["narrow"] = {"width": self.narrow.width, "step_s": self.narrow.step_s}
         for optional in ("narrow", "task_s"):  # absent, not null: a profile without them reads as before
             if data[optional] is None:
                 del data[optional]

@@ -142,7 +142,11 @@ class DeviceRegistry:
             return
         self.journal.parent.mkdir(parents=True, exist_ok=True)
         with self.journal.open("a") as fh:
-            fh.write(strict_dumps({"device": device_id, "index": entry["index"], "entry": entry}) + "\n")
+            # the entry holds only values the hello schema checked finite: the strict guard alone suffices
+            fh.write(
+                json.dumps({"device": device_id, "index": entry["index"], "entry": entry}, allow_nan=False)
+            )
+            fh.write("\n")
         self._journaled += 1
         if self._journaled > max(64, len(self._stored)):
             self.compact()

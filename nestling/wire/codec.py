@@ -21,7 +21,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from nestling.errors import WireError
-from nestling.wire.schemas import ChunkLayout
+from nestling.wire.schemas import ChunkLayout, chunk_layout, chunk_request_header
 
 MAGIC = b"NSTL"
 FORMAT_VERSION = 1  # the byte after MAGIC: how the frame itself is laid out
@@ -125,6 +125,10 @@ def _check_fields(header: Mapping[str, Any]) -> None:
     unknown = sorted(set(header) - set(_FIELD_RULES) - _KIND_FIELDS.get(header["kind"], frozenset()))
     if unknown:
         raise WireError(f"unknown header field(s) {', '.join(unknown)[:120]} for kind {header['kind']!r}")
+    if header["kind"] == CHUNK_KIND:  # typed here, so a receiver may route by them before reading the body
+        chunk_layout(header)
+    elif header["kind"] == CHUNK_REQUEST_KIND:
+        chunk_request_header(header)
 
 
 def pack_frame(kind: str, header: Mapping[str, Any], body: bytes | bytearray | memoryview = b"") -> bytes:

@@ -10,6 +10,7 @@ it in a second, aarch64 included) and its Structs say each rule in one line.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -156,10 +157,19 @@ class ResultMeta(_Schema):
 
 
 # -- chunk header: the fields a chunk frame adds to the codec header ------------------------------
+TransferId = Annotated[str, Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class ChunkRequestHeader(_Schema):
+    """The field a chunk re-request adds to the codec header: which transfer it asks about."""
+
+    transfer_id: TransferId
+
+
 class ChunkLayout(_Schema):
     """Where one chunk sits in its transfer (nestling/wire/chunking.py checks the layout is consistent)."""
 
-    transfer_id: Annotated[str, Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
+    transfer_id: TransferId
     index: Annotated[int, Meta(ge=0, le=2**32)]
     count: Annotated[int, Meta(ge=1, le=2**32)]
     chunk_size: Annotated[int, Meta(ge=1, le=2**40)]
@@ -202,8 +212,16 @@ def result_meta(meta: Any) -> tuple[ResultMeta, dict[str, Any]]:
     return checked, metrics
 
 
-def chunk_layout(header: dict[str, Any]) -> ChunkLayout:
+def chunk_layout(header: Mapping[str, Any]) -> ChunkLayout:
     """The chunk fields of a chunk frame's header (WireError `bad_chunk`); the codec checked the rest."""
     fields = {name: header[name] for name in ChunkLayout.__struct_fields__ if name in header}
     layout: ChunkLayout = check(fields, ChunkLayout, "chunk header", "bad_chunk")
     return layout
+
+
+def chunk_request_header(header: Mapping[str, Any]) -> ChunkRequestHeader:
+    """The transfer a re-request names (WireError `bad_chunk`)."""
+    checked: ChunkRequestHeader = check(
+        {"transfer_id": header.get("transfer_id")}, ChunkRequestHeader, "chunk request header", "bad_chunk"
+    )
+    return checked

@@ -129,7 +129,7 @@ GOOD_BODY = save_safetensors({"w": torch.ones(4)})
         (frame(valid_header(GOOD_BODY), GOOD_BODY + b"\0"), "beyond its declared length"),
         (frame(valid_header(GOOD_BODY), GOOD_BODY[:-1] + b"\1"), "sha256 mismatch"),
         (frame(valid_header(b"not safetensors"), b"not safetensors"), "safetensors parse error"),
-        (frame(valid_header(kind="chunk")), "transfer frame"),
+        (frame(valid_header(kind="chunk")), "chunk header"),  # a chunk without its layout
     ],
 )
 def test_every_defect_is_rejected_with_its_reason(payload, reason):
