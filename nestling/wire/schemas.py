@@ -128,6 +128,10 @@ class Metrics(_Schema):
     dynamicfl_cut: Count | None = None
     dynamicfl_collapsed: Count | None = None
     dynamicfl_structure: Annotated[str, Meta(max_length=64 * 1024)] | None = None
+    emulated: Name | None = None  # an agent emulating a slower board (edge/agent_training.py)
+    emulated_down_s: Seconds | None = None
+    emulated_compute_s: Seconds | None = None
+    emulation_overrun_s: Annotated[float, Meta(ge=-MAX_SECONDS, le=MAX_SECONDS)] | None = None
 
 
 # A plugin procedure's own scalars (LocalOutcome.extra): lower-case names, bounded finite values, few of them.
