@@ -117,7 +117,8 @@ class DeviceRegistry:
                 self.indices, self._stored = read_registry(path)
             except (OSError, ValueError, AttributeError, TypeError) as exc:
                 log.warning("ignoring unreadable registry %s: %s", path, exc)
-            self.compact()
+            if self.journal is not None and self.journal.exists():  # fold the last run's changes in
+                self.compact()
 
     @property
     def journal(self) -> Path | None:
