@@ -23,7 +23,12 @@ def _strict_loads(text: str):
 
 
 def test_non_finite_numbers_become_null_and_are_listed_by_path() -> None:
-    record = {"round": 3, "train_loss": math.inf, "submodels": [{"loss": math.nan, "acc": 0.5}], "n": -math.inf}
+    record = {
+        "round": 3,
+        "train_loss": math.inf,
+        "submodels": [{"loss": math.nan, "acc": 0.5}],
+        "n": -math.inf,
+    }
     text = strict_dumps(record)
     parsed = _strict_loads(text)
     assert parsed["train_loss"] is None and parsed["submodels"][0]["loss"] is None and parsed["n"] is None
