@@ -52,7 +52,7 @@ class ExportWish(_Schema):
     """The board asks for its submodel's deployable when the run ends."""
 
     on_finish: bool
-    format: Annotated[str, Meta(pattern="^(onnx|tensorrt)$")] = "onnx"
+    format: Annotated[str, Meta(pattern="^(onnx|tensorrt)$")] | None = None
 
 
 class Emulation(_Schema, rename={"board_class": "class"}):
