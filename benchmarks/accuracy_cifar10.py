@@ -10,7 +10,6 @@ Run (in the background; ~25 min per method):
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from nestling.config import load_config
 from nestling.server.strategies.nefl_presets import PARAM_FRACTIONS
 from nestling.simulator.run import run_simulation
 from nestling.spec import width_from_param_fraction
+from nestling.strict_json import strict_dumps
 
 DEFAULT_METHODS = ("nefl-wd", "fjord", "heterofl")
 
@@ -102,7 +102,7 @@ def main() -> None:
         print(
             f"{method}: {summary['rounds']} rounds, {summary['bench_minutes']:.1f} min; {table}", flush=True
         )
-        (args.out / "figures.json").write_text(json.dumps(figures, indent=1))
+        (args.out / "figures.json").write_text(strict_dumps(figures, indent=1))
     print(" ".join(f"{k}={100 * v:.2f}" for k, v in figures.items()))
 
 

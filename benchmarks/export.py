@@ -34,6 +34,7 @@ from nestling.export.source import open_checkpoint
 from nestling.export.standalone import plan_outputs, reference_outputs
 from nestling.server.checkpoint import latest_checkpoint
 from nestling.simulator.run import run_simulation
+from nestling.strict_json import strict_dumps
 
 
 def training_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def trained_checkpoint(args: argparse.Namespace) -> Path:
     stamp.unlink(missing_ok=True)
     started = time.perf_counter()
     summary = run_simulation(config_from_dict(config), args.run_dir, overwrite=True)
-    stamp.write_text(json.dumps(config, indent=1, sort_keys=True))
+    stamp.write_text(strict_dumps(config, indent=1, sort_keys=True))
     print(
         f"trained {args.rounds} rounds in {time.perf_counter() - started:.0f} s; final accuracy "
         f"worst {summary['worst_accuracy']:.4f}, mean {summary['avg_accuracy']:.4f} over the five submodels"

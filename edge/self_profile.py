@@ -46,6 +46,7 @@ from nestling.profiler.device import cpu_model, measure_gflops
 from nestling.profiler.measure import interleaved_steps, profile_model
 from nestling.profiler.speed import FLOPS_PER_MAC, TRAIN_OVER_FORWARD, MacCounter
 from nestling.spec import SubmodelSpec
+from nestling.strict_json import strict_dumps
 
 log = logging.getLogger("nestling.agent")
 CACHE_NAME = "board-profile.json"
@@ -188,7 +189,7 @@ def save_cached(path: Path, key: str, profile: BoardProfile) -> None:
     """Write atomically: a power cut leaves the old cache or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"key": key, "profile": profile.to_dict()}, indent=1))
+    tmp.write_text(strict_dumps({"key": key, "profile": profile.to_dict()}, indent=1))
     os.replace(tmp, path)
 
 

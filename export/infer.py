@@ -8,7 +8,6 @@ like images; float arrays are model input already normalised, (C, H, W) or (N, C
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 from nestling.cli_numbers import positive_int
 from nestling.errors import DataError, DependencyError, NestlingError
 from nestling.export.bundle import read_bundle
+from nestling.strict_json import strict_dumps
 
 
 @dataclass
@@ -182,7 +182,7 @@ def infer_main(argv: list[str]) -> int:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps([asdict(p) for p in predictions], indent=1))
+        print(strict_dumps([asdict(p) for p in predictions], indent=1))
     else:
         for p in predictions:
             extra = "  ".join(f"{label} {prob:.3f}" for label, prob in p.top[1:])

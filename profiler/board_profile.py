@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from nestling.models.config import ModelConfig
@@ -30,8 +30,12 @@ SCHEMA = "nestling.board_profile/1"
 # control frame and nothing downstream (planning arithmetic, metrics) meets an absurd number.
 MAX_PARTS = 256
 MAX_BYTES = 2**50
-MAX_GFLOPS = 1e6
+MAX_GFLOPS = 1e5  # 100 TFLOP/s of sustained fp32 training: above any single accelerator a board carries
 MAX_STEP_S = 3600.0
+MIN_STEP_S = 1e-5  # no training step runs faster than PyTorch dispatches it: a plan never predicts 0 s
+# The whole step over the sum of its separately timed parts: ~1-2 when measured, 1 when emulated. Outside these
+# bounds the parts do not describe the step (all-zero part times would predict every submodel free).
+MIN_OVERHEAD, MAX_OVERHEAD = 0.05, 20.0
 MAX_BATCH = 65536
 # The narrower member a measured board times besides the full model: every block kept, this channel ratio. A
 # quarter of the width (1/16 of the MACs) puts the planned members between the two points (planning.py's
@@ -109,9 +113,20 @@ class BoardProfile:
     task_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        # by hand, not dataclasses.asdict: a hello's 256 parts are written on every registration
+        data: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         data["schema"] = SCHEMA
-        data["parts"] = [asdict(p) for p in self.parts]
+        data["parts"] = [
+            {
+                "name": p.name,
+                "forward_s": p.forward_s,
+                "backward_s": p.backward_s,
+                "activation_bytes": p.activation_bytes,
+            }
+            for p in self.parts
+        ]
+        if self.narrow is not None:
+            data["narrow"] = {"width": self.narrow.width, "step_s": self.narrow.step_s}
         for optional in ("narrow", "task_s"):  # absent, not null: a profile without them reads as before
             if data[optional] is None:
                 del data[optional]
@@ -181,7 +196,8 @@ class BoardProfile:
             return float(self.task_s or 0.0)
         fixed, rest = self.step_parts(spec)
         count = -(-int(samples) // self.batch) if steps is None else int(steps)
-        return float(self.task_s or 0.0) + count * fixed + rest * samples / self.batch
+        predicted = float(self.task_s or 0.0) + count * fixed + rest * samples / self.batch
+        return max(predicted, max(count, 1) * MIN_STEP_S)
 
 
 def emulated_board_profile(
@@ -276,7 +292,7 @@ def _narrow(data: dict[str, Any]) -> NarrowFigure | None:
         raise ProfileError("narrow", "must hold width and step_s")
     try:
         width = float(_number(raw, "width", MIN_NARROW_WIDTH, MAX_NARROW_WIDTH))
-        step = float(_number(raw, "step_s", 1e-9, MAX_STEP_S))
+        step = float(_number(raw, "step_s", MIN_STEP_S, MAX_STEP_S))
     except ProfileError as exc:
         raise ProfileError(f"narrow.{exc.field}", str(exc).split(": ", 1)[1]) from None
     return NarrowFigure(width, step)
@@ -318,6 +334,14 @@ def parse_board_profile(data: Any) -> BoardProfile:
         )
     if len({p.name for p in parts}) != len(parts):
         raise ProfileError("parts", "names a part twice")
+    step_s = float(_number(data, "step_s", MIN_STEP_S, MAX_STEP_S))
+    timed = sum(p.forward_s + p.backward_s for p in parts)
+    if not timed * MIN_OVERHEAD <= step_s <= timed * MAX_OVERHEAD:
+        raise ProfileError(
+            "parts",
+            f"part times summing to {timed:.3g} s do not describe a step of {step_s:.3g} s "
+            f"(allowed: {MIN_OVERHEAD}-{MAX_OVERHEAD} times their sum)",
+        )
     source = _text(data, "source")
     if source != "measured" and not source.startswith("emulated:"):
         raise ProfileError("source", f"must be 'measured' or 'emulated:<class>', got {source!r:.40}")
@@ -338,7 +362,7 @@ def parse_board_profile(data: Any) -> BoardProfile:
         memory_bytes=int(_number(data, "memory_bytes", 1, MAX_BYTES, integer=True)),
         margin=float(_number(data, "margin", 0.0, 0.95)),
         gflops=float(_number(data, "gflops", 1e-6, MAX_GFLOPS)),
-        step_s=float(_number(data, "step_s", 1e-9, MAX_STEP_S)),
+        step_s=step_s,
         parts=tuple(parts),
         source=source,
         narrow=narrow,

@@ -20,6 +20,7 @@ from nestling.models.zoo import known_models
 from nestling.profiler.device import device_info
 from nestling.profiler.measure import profile_model
 from nestling.spec import SubmodelSpec
+from nestling.strict_json import strict_dumps
 
 MIB = 2**20
 
@@ -32,7 +33,7 @@ def _console() -> Console:
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.write_text(strict_dumps(data, indent=2) + "\n")
     tmp.replace(path)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from nestling.errors import ConfigError
 from nestling.profiler.speed import ANY_MODEL
+from nestling.strict_json import strict_dumps
 
 
 class TraceFieldError(ConfigError):
@@ -346,7 +347,7 @@ def save_traces(traces: Iterable[DeviceTrace], path: str | Path) -> None:
     records = [trace.to_record() for trace in traces]
     with path.open("w", newline="", encoding="utf-8") as stream:
         if _format_of(path) == "jsonl":
-            stream.writelines(json.dumps(record, separators=(",", ":")) + "\n" for record in records)
+            stream.writelines(strict_dumps(record, separators=(",", ":")) + "\n" for record in records)
             return
         writer = csv.DictWriter(stream, fieldnames=_COLUMNS)
         writer.writeheader()

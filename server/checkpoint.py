@@ -4,7 +4,6 @@ The server writes checkpoints; reading them is kernel code (nestling.checkpoint_
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -23,6 +22,7 @@ from nestling.checkpoint_io import (
 from nestling.errors import ConfigError
 from nestling.hashing import sha256_file
 from nestling.server.strategies.base import Strategy
+from nestling.strict_json import strict_dumps
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -67,7 +67,7 @@ def save_checkpoint(
         "sides": side_sums,
     }
     with (tmp / "manifest.json").open("w") as fh:
-        json.dump(body, fh, indent=1, sort_keys=True)
+        fh.write(strict_dumps(body, indent=1, sort_keys=True))
         fh.flush()
         os.fsync(fh.fileno())
     if final.exists():

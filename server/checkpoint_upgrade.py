@@ -7,7 +7,6 @@ may do that; export and boards may not) and asked for its deployables, which are
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from nestling.checkpoint_io import DEPLOYABLES, latest_checkpoint, load_checkpoi
 from nestling.errors import ConfigError
 from nestling.hashing import sha256_file
 from nestling.server.strategies import StrategyContext, create_strategy
+from nestling.strict_json import strict_dumps
 
 
 def context_from_manifest(manifest: dict[str, Any]) -> StrategyContext:
@@ -57,7 +57,7 @@ def upgrade_checkpoint(folder: Path) -> bool:
     manifest[DEPLOYABLES] = record
     manifest.setdefault("sides", {})[DEPLOYABLES] = sha256_file(folder / f"{DEPLOYABLES}.safetensors")
     staged = folder / "manifest.json.tmp"
-    staged.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    staged.write_text(strict_dumps(manifest, indent=1, sort_keys=True))
     os.replace(staged, folder / "manifest.json")
     return True
 

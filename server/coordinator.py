@@ -23,6 +23,13 @@ import torch
 from nestling.aggregation import robust_rule
 from nestling.errors import NestlingError
 from nestling.messages import Result, Task
+from nestling.server.board_guard import (
+    ASSIGN_REFUSED,
+    assign_guarded,
+    local_train_seconds,
+    mean_train_loss,
+    observed_seconds,
+)
 from nestling.server.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -50,6 +57,7 @@ from nestling.server.screening import (
 )
 from nestling.server.strategies.base import DeviceInfo, Strategy
 from nestling.server.transport import Transport
+from nestling.strict_json import strict_dumps
 
 log = logging.getLogger("nestling.coordinator")
 
@@ -187,7 +195,12 @@ class Coordinator:
         self._registered = {d.device_id: d for d in selected}
         self._updates, self._judged, self._non_finite = {}, set(), set()
         self._refused_tasks = set()
-        tasks = self.strategy.assign(round_index, selected)
+
+        def refuse_assignment(device_id: str, detail: str) -> None:
+            counters[ASSIGN_REFUSED] += 1
+            self.refusals.refuse(round_index, device_id, ASSIGN_REFUSED, detail)
+
+        tasks = assign_guarded(self.strategy, round_index, selected, refuse_assignment)
         self._workspace.new_round(len(tasks))
         plans, replans = self.strategy.plan_report(round_index, selected, tasks)
         dispatched_at = self.clock.now()
@@ -195,7 +208,7 @@ class Coordinator:
         accepted, collect_seconds = self._collect(round_index, tasks, counters)
         if plans:
             self.strategy.observe_training(
-                plans, _observed(plans, accepted, self.clock.now() - dispatched_at)
+                plans, observed_seconds(plans, accepted, self.clock.now() - dispatched_at)
             )
         # The quorum counts the round's tasks whose result arrived, accepted or refused: a refused update (an
         # attacker's, or an honest outlier's) must not cost the round the results that were accepted.
@@ -239,8 +252,8 @@ class Coordinator:
             bytes_down=sum(tensor_bytes(t.weights) for t in tasks.values()),
             bytes_up=sum(tensor_bytes(r.weights) for _, r in accepted),
             counters=dict(counters),
-            local_train_seconds=sum(float(r.metrics.get("train_seconds", 0.0)) for _, r in accepted),
-            train_loss=_mean([r.metrics.get("loss_mean") for _, r in accepted]),
+            local_train_seconds=local_train_seconds(accepted),
+            train_loss=mean_train_loss(accepted),
             dispatched_at=dispatched_at,
             closed_at=closed_at,
             rolled_back=rolled_back,
@@ -301,7 +314,9 @@ class Coordinator:
                     counters["late"] += 1
                     continue
                 accepted.append((by_task[result.task_id], result))
-            if not delivery.results and self.transport.idle():
+            # A refused result is its board's answer: once every board answered, the round closes at once.
+            answered = self._refused_tasks | {result.task_id for _, result in accepted}
+            if answered >= set(by_task) or (not delivery.results and self.transport.idle()):
                 break
         return accepted, spent
 
@@ -546,7 +561,7 @@ class Coordinator:
         if line["update_rms"] is None:
             del line["update_rms"]
         with (self.out_dir / "metrics.jsonl").open("a") as fh:
-            fh.write(json.dumps(line) + "\n")
+            fh.write(strict_dumps(line) + "\n")
         last = round_index == self.policy.rounds - 1
         if last or (
             self.policy.checkpoint_every > 0 and (round_index + 1) % self.policy.checkpoint_every == 0
@@ -604,24 +619,3 @@ def _has_non_finite(tensors: dict[str, torch.Tensor]) -> bool:
         return any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values())
     except (TypeError, AttributeError, RuntimeError):
         return False
-
-
-def _observed(
-    plans: dict[str, dict[str, Any]], accepted: list[tuple[Task, Result]], elapsed: float
-) -> dict[str, tuple[float, bool]]:
-    """Each planned board's local training seconds: what its result reports (an emulated board's padded
-    time, `train_wall_s`, else `train_seconds`), or, without a result, the round's length as a lower bound."""
-    observed: dict[str, tuple[float, bool]] = {}
-    for _, result in accepted:
-        seconds = result.metrics.get("train_wall_s", result.metrics.get("train_seconds"))
-        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds):
-            observed[result.device_id] = (float(seconds), False)
-    for device_id in plans:
-        if device_id not in observed and elapsed > 0:
-            observed[device_id] = (float(elapsed), True)
-    return observed
-
-
-def _mean(values: list[Any]) -> float | None:
-    numbers = [float(v) for v in values if v is not None]
-    return sum(numbers) / len(numbers) if numbers else None

@@ -25,7 +25,7 @@ from nestling.server.deployables import deployable_rows, deployables_table, expo
 from nestling.server.evaluation import Evaluator
 from nestling.server.fleet_config import FleetConfig, load_fleet_config
 from nestling.server.fleet_plan import write_run_file
-from nestling.server.mqtt_transport import MqttTransport, TransportSettings
+from nestling.server.mqtt_transport import MqttTransport, TransportSettings, server_client
 from nestling.server.plan_summary import print_plan_table
 from nestling.server.registry import DeviceRegistry, emulated_class
 from nestling.server.run_report import (
@@ -37,7 +37,7 @@ from nestling.server.run_report import (
 )
 from nestling.server.run_setup import round_policy, strategy_for_run
 from nestling.server.strategies.base import Strategy
-from nestling.wire.topics import OFFLINE, FleetTopics
+from nestling.wire.topics import FleetTopics
 
 log = logging.getLogger("nestling.fleet")
 
@@ -143,8 +143,9 @@ def run_fleet(
     )
     topics = FleetTopics(cfg.broker.fleet)
     clock = WallClock()
-    client = cfg.broker.client(f"nestling-{topics.fleet}-server", will=(topics.server_status, OFFLINE, True))
-    transport = MqttTransport(client, topics, registry, clock, transport_settings(cfg))
+    transport = MqttTransport(
+        server_client(cfg.broker, topics), topics, registry, clock, transport_settings(cfg)
+    )
     # Boards measure this run's full model at its batch size (edge/self_profile.py) before they count as ready.
     transport.plan = {"spec": strategy.full_spec.to_dict(), "batch": strategy.batch_size}
     evaluator = Evaluator(

@@ -23,7 +23,9 @@ class Dispatched:
     spec_id: str
     expected: dict[str, tuple[tuple[int, ...], torch.dtype]]
     limit: int  # largest acceptable encoded result, bytes
-    state: str = "pending"  # pending | dropped (device left, result still welcome) | accepted | cancelled
+    # pending | dropped (device left, result still welcome) | refused (answered, a corrected one still welcome)
+    # | accepted | cancelled
+    state: str = "pending"
     frames: list[bytes] = field(default_factory=list)  # kept while open: resent if the broker lost them
 
     @classmethod

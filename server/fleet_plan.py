@@ -16,9 +16,11 @@ from nestling.errors import NestlingError
 from nestling.profiler.board_profile import ProfileError, parse_board_profile
 from nestling.profiler.estimator import estimate
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
+from nestling.server.registry import JOURNAL_SUFFIX, read_registry
 from nestling.server.strategies import StrategyContext, create_strategy
 from nestling.server.strategies.base import DeviceInfo, Strategy
 from nestling.spec import SubmodelSpec
+from nestling.strict_json import strict_dumps
 
 RUN_FILE = "run.json"
 RUN_SCHEMA = "nestling.run/1"
@@ -29,7 +31,7 @@ def write_run_file(out_dir: Path, strategy: Strategy) -> Path:
     """What a fleet run plans with, written when it starts (a run without checkpoints can still be planned)."""
     path = out_dir / RUN_FILE
     record = {"schema": RUN_SCHEMA, "method": strategy.name, "context": strategy.ctx.to_record()}
-    path.write_text(json.dumps(record, indent=1, sort_keys=True))
+    path.write_text(strict_dumps(record, indent=1, sort_keys=True))
     return path
 
 
@@ -81,12 +83,12 @@ def load_run_strategy(
 def registered_devices(run_dir: Path) -> list[DeviceInfo]:
     """The boards in the run's registry.json as the strategies see them (profiles validated again)."""
     path = run_dir / "registry.json"
-    if not path.is_file():
+    if not path.is_file() and not path.with_name(path.name + JOURNAL_SUFFIX).is_file():
         raise NestlingError(f"--fleet {run_dir}: no registry.json (no board has registered yet)")
-    stored = _read_json(path)
-    devices = stored.get("devices") if isinstance(stored, dict) else None
-    if not isinstance(devices, dict):
-        raise NestlingError(f"{path}: no 'devices' table")
+    try:
+        devices = read_registry(path)[1]
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise NestlingError(f"cannot read {path}: {exc}") from None
     out = []
     for device_id, entry in sorted(devices.items()):
         try:

@@ -39,6 +39,7 @@ from nestling.server.registry import DeviceRegistry
 from nestling.server.status_publisher import ServerStatusPublisher
 from nestling.server.strategies.base import DeviceInfo
 from nestling.server.transport import Delivery
+from nestling.wire.broker_settings import BrokerSettings
 from nestling.wire.chunking import DEFAULT_CHUNK_SIZE
 from nestling.wire.codec import (
     CHUNK_KIND,
@@ -49,12 +50,24 @@ from nestling.wire.codec import (
 )
 from nestling.wire.export_messages import EXPORT_REPORT, ExportOrder, ExportReport
 from nestling.wire.fleet_messages import RESULT, decode_result, encode_task
-from nestling.wire.topics import HELLO, STATUS, FleetTopics, parse_topic
+from nestling.wire.topics import HELLO, OFFLINE, STATUS, FleetTopics, parse_topic
 from nestling.wire.topics import RESULT as RESULT_CHANNEL
 
 log = logging.getLogger("nestling.mqtt")
 
 RESULT_SLACK_BYTES = 1024 * 1024  # a result may exceed its task's encoded size by its header, no more
+
+
+def server_client(broker: BrokerSettings, topics: FleetTopics) -> mqtt.Client:
+    """The server's paho client: its fleet's id, a last will on server/status, and a clean session.
+
+    Clean, so a restarted server never acts on what was queued for it while it was down (a hello that made an
+    earlier server fail would otherwise come back on every start). Nothing honest is lost: boards resend their
+    result when the round is re-announced (every (re)connect announces it), tasks are resent on reconnect, and a
+    heartbeat from a board the server does not know gets a rehello."""
+    return broker.client(
+        f"nestling-{topics.fleet}-server", will=(topics.server_status, OFFLINE, True), clean_session=True
+    )
 
 
 @dataclass
@@ -155,6 +168,7 @@ class MqttTransport:
         """Leave cleanly: the last status stays retained (no last will), then the network thread ends."""
         self.status.settle(2.0)
         self.link.close()
+        self.registry.compact()  # one snapshot for `nestling plan --fleet` and the next start
 
     # -- Transport -------------------------------------------------------------------------------
     def devices(self) -> list[DeviceInfo]:
@@ -210,7 +224,7 @@ class MqttTransport:
         for device_id, task_id in list(self._open.items()):
             entry = self._tasks[task_id]
             if entry.round == round_index:
-                entry.state = "cancelled" if entry.state in ("pending", "dropped") else entry.state
+                entry.state = "cancelled" if entry.state in ("pending", "dropped", "refused") else entry.state
                 entry.frames = []
                 del self._open[device_id]
                 self.chunks.forget(device_id)
@@ -218,10 +232,11 @@ class MqttTransport:
         self.publish_status("aggregating", round_index)
 
     def reopen(self, task_id: str) -> None:
-        """The coordinator refused this result for a reason the board can fix: a corrected one is welcome."""
+        """The coordinator refused this result: it is the board's answer (the round need not wait for it), but a
+        corrected one is still welcome while the round is open."""
         entry = self._tasks.get(task_id)
         if entry is not None and entry.state == "accepted":
-            entry.state = "pending"
+            entry.state = "refused"
             held = self._held.pop(task_id, None)
             if held is not None:
                 entry.state = "accepted"
@@ -324,7 +339,12 @@ class MqttTransport:
         self._on_result(device_id, payload, inbound.max_payload_bytes)
 
     def _on_result(self, device_id: str, payload: bytes, limit: int) -> None:
-        result, session = decode_result(decode_message(payload, max_bytes=limit))
+        message = decode_message(payload, max_bytes=limit)  # a frame damaged on its way is not an answer ...
+        try:
+            result, session = decode_result(message)
+        except WireError:
+            self._answered_refused(device_id)  # ... but an intact one that breaks the schema is the board's
+            raise
         entry = self._tasks.get(result.task_id)
         reason = check_result(device_id, result, session, self.session, entry, self.status.round)
         if reason == "duplicate" and entry is not None and entry.round == self.status.round:
@@ -332,6 +352,8 @@ class MqttTransport:
             # later one, so a board's corrected result is not lost to a race with that verdict.
             self._held[result.task_id] = result
         if reason is not None:
+            if reason in ("wrong_tensors", "non_finite"):
+                self._answered_refused(device_id)
             self._reject(device_id, reason, detail=f"task {result.task_id} round {result.round}")
             return
         assert entry is not None
@@ -339,6 +361,12 @@ class MqttTransport:
         self.counters["accepted"] += 1
         self.trained_by.setdefault(result.spec_id, set()).add(device_id)
         self._ready.append(result)
+
+    def _answered_refused(self, device_id: str) -> None:
+        """The board's open task got an answer that was refused: the round need not wait for it any longer."""
+        entry = self._tasks.get(self._open.get(device_id, ""))
+        if entry is not None and entry.state == "pending":
+            entry.state = "refused"
 
     # -- timers ----------------------------------------------------------------------------------
     def _tick(self) -> None:
@@ -353,6 +381,7 @@ class MqttTransport:
             self.campaign.resend_all()
         self.membership.expire(self.clock.now())
         for device_id, transfer_id in self.chunks.tick():
+            self._answered_refused(device_id)
             self._reject(device_id, "missing_chunks", key=transfer_id)
 
     def _forget_before(self, round_index: int | None) -> None:

@@ -13,6 +13,8 @@ from nestling.errors import WireError
 from nestling.profiler.board_profile import BoardProfile, ProfileError, parse_board_profile
 from nestling.server.enrolment import Enrolment
 from nestling.server.strategies.base import DeviceInfo
+from nestling.strict_json import strict_dumps
+from nestling.wire.schemas import hello_profile
 
 log = logging.getLogger("nestling.registry")
 
@@ -25,36 +27,6 @@ class DeviceRecord:
     online: bool
     last_seen: float
     state: str = "online"
-
-
-# Upper bounds of hello fields: generous for any real board, small enough that nothing downstream
-# (tier arithmetic, aggregation weights, memory planning) ever meets an absurd or unrepresentable number.
-HELLO_MAXIMUMS = {"num_samples": 10**9, "index": 10**6, "memory_budget_bytes": 2**50}
-
-
-def _optional_int(profile: dict[str, Any], name: str, minimum: int) -> int | None:
-    value = profile.get(name)
-    if value is None:
-        return None
-    maximum = HELLO_MAXIMUMS[name]
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise WireError(
-            f"hello field {name!r} must be an integer in [{minimum}, {maximum}], got {value!r:.40}"
-        )
-    return value
-
-
-def _labels(profile: dict[str, Any]) -> tuple[int, ...] | None:
-    labels = profile.get("labels")
-    if labels is None:
-        return None
-    if (
-        not isinstance(labels, list)
-        or len(labels) > 100_000
-        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 10**6 for v in labels)
-    ):
-        raise WireError("hello field 'labels' must be a list of class indices")
-    return tuple(sorted(set(labels)))
 
 
 def _board(profile: dict[str, Any]) -> BoardProfile | None:
@@ -76,10 +48,59 @@ def emulated_class(profile: dict[str, Any] | None) -> str | None:
     return f"{name} (trace device {str(trace_device)[:64]})" if trace_device else name
 
 
+JOURNAL_SUFFIX = ".journal"  # registry.json.journal: one JSON line per change since the last snapshot
+
+
+def _entry(info: DeviceInfo) -> dict[str, Any]:
+    """What the registry keeps of a device: what sizing reads, so `nestling plan --fleet RUN_DIR` plans these
+    boards as the server does."""
+    return {
+        "index": info.index,
+        "num_samples": info.num_samples,
+        "memory_budget_bytes": info.memory_budget_bytes,
+        "tier": info.tier,
+        "labels": None if info.labels is None else list(info.labels),
+        "board_profile": None if info.board is None else info.board.to_dict(),
+        "emulating": emulated_class(info.profile),
+    }
+
+
+def read_registry(path: Path) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
+    """(indices, device entries) of a registry: its snapshot with its journal replayed; ValueError if unreadable."""
+    indices: dict[str, int] = {}
+    devices: dict[str, dict[str, Any]] = {}
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        if not isinstance(stored, dict):
+            raise ValueError(f"{path} is not a JSON object")
+        indices = {str(k): int(v) for k, v in stored.get("indices", {}).items()}
+        devices = {str(k): v for k, v in stored.get("devices", {}).items() if isinstance(v, dict)}
+    journal = path.with_name(path.name + JOURNAL_SUFFIX)
+    if journal.is_file():
+        for number, line in enumerate(journal.read_text().splitlines(), 1):
+            try:
+                change = json.loads(line)
+                device_id, index, entry = str(change["device"]), int(change["index"]), change["entry"]
+            except (
+                ValueError,
+                KeyError,
+                TypeError,
+            ):  # a line cut short by a crash: the changes before it hold
+                log.warning("ignoring unreadable line %d of %s", number, journal)
+                continue
+            indices[device_id] = index
+            if isinstance(entry, dict):
+                devices[device_id] = entry
+    return indices, devices
+
+
 class DeviceRegistry:
     """Devices by id. Who may register, at which index and tier, is the enrolment's word (server/enrolment.py),
     never the hello's; an open enrolment's indices are kept in `path` so a resumed server gives every device the
-    same index."""
+    same index.
+
+    A hello costs one appended journal line (O(1), whatever the fleet's size); the snapshot is rewritten only
+    when the journal has grown past the number of devices (amortised O(1)), and on `compact()`."""
 
     def __init__(
         self,
@@ -92,72 +113,82 @@ class DeviceRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.enrolment = enrolment if enrolment is not None else Enrolment.open_to(None)
         self.records: dict[str, DeviceRecord] = {}
-        # A closed enrolment is the only source of indices; an open one keeps the seats of earlier runs.
-        self.indices: dict[str, int] = self._load() if self.enrolment.open else {}
+        self.indices: dict[str, int] = {}
+        # every device's entry, also those not back since a restart
+        self._stored: dict[str, dict[str, Any]] = {}
+        self._journaled = 0
+        if path is not None:
+            try:
+                indices, self._stored = read_registry(path)
+            except (OSError, ValueError, AttributeError, TypeError) as exc:
+                log.warning("ignoring unreadable registry %s: %s", path, exc)
+            else:
+                # A closed enrolment is the only source of indices; an open one keeps the seats of earlier runs.
+                self.indices = indices if self.enrolment.open else {}
+            if self.journal is not None and self.journal.exists():  # fold the last run's changes in
+                self.compact()
 
-    def _load(self) -> dict[str, int]:
-        if self.path is None or not self.path.is_file():
-            return {}
-        try:
-            stored = json.loads(self.path.read_text())
-            return {str(k): int(v) for k, v in stored.get("indices", {}).items()}
-        except (ValueError, AttributeError, TypeError) as exc:
-            log.warning("ignoring unreadable registry %s: %s", self.path, exc)
-            return {}
+    @property
+    def journal(self) -> Path | None:
+        return None if self.path is None else self.path.with_name(self.path.name + JOURNAL_SUFFIX)
 
-    def _save(self) -> None:
-        if self.path is None:
+    def compact(self) -> None:
+        """Write the whole registry as one snapshot (atomically) and empty the journal."""
+        if self.path is None or self.journal is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".tmp-{os.getpid()}")
-        devices = {
-            d: {
-                "index": r.info.index,
-                "num_samples": r.info.num_samples,
-                "memory_budget_bytes": r.info.memory_budget_bytes,
-                # what sizing reads, so `nestling plan --fleet RUN_DIR` plans these boards as the server does
-                "tier": r.info.tier,
-                "labels": None if r.info.labels is None else list(r.info.labels),
-                "board_profile": None if r.info.board is None else r.info.board.to_dict(),
-                "emulating": emulated_class(r.info.profile),
-            }
-            for d, r in self.records.items()
-        }
-        tmp.write_text(json.dumps({"indices": self.indices, "devices": devices}, indent=1, sort_keys=True))
+        snapshot = {"indices": self.indices, "devices": self._stored}
+        tmp.write_text(strict_dumps(snapshot, indent=1, sort_keys=True))
         os.replace(tmp, self.path)
+        self.journal.unlink(missing_ok=True)
+        self._journaled = 0
+
+    def _record(self, device_id: str, entry: dict[str, Any]) -> None:
+        """Persist one device's change: a journal line; a compaction once the journal outgrows the fleet."""
+        self._stored[device_id] = entry
+        if self.journal is None:
+            return
+        self.journal.parent.mkdir(parents=True, exist_ok=True)
+        with self.journal.open("a") as fh:
+            # the entry holds only values the hello schema checked finite: the strict guard alone suffices
+            fh.write(
+                json.dumps({"device": device_id, "index": entry["index"], "entry": entry}, allow_nan=False)
+            )
+            fh.write("\n")
+        self._journaled += 1
+        if self._journaled > max(64, len(self._stored)):
+            self.compact()
 
     def register(self, device_id: str, profile: dict[str, Any], now: float) -> DeviceInfo:
-        """Admit (or refresh) a device from its hello; WireError when it is not enrolled or its profile is
-        unusable. The hello's own `index` and `tier` are ignored: a board claiming another's index used to
-        move every other board up a tier."""
+        """Admit (or refresh) a device from its hello; WireError when it is not enrolled or its profile breaks
+        the hello schema. The hello's own `index` and `tier` are checked but ignored: a board claiming another's
+        index used to move every other board up a tier."""
         self.enrolment.check(device_id)
-        num_samples = _optional_int(profile, "num_samples", 0)
-        if num_samples is None:
-            raise WireError("hello lacks 'num_samples'")
-        budget = _optional_int(profile, "memory_budget_bytes", 1)
-        _optional_int(profile, "index", 0)  # still checked: a hostile value is refused, not carried along
-        labels = _labels(profile)
+        profile = hello_profile(
+            profile
+        )  # decode_hello checked it already; a direct caller gets the same rules
         board = _board(profile)
-        if not isinstance(profile.get("profiling", False), bool):
-            raise WireError("hello field 'profiling' must be true or false", reason="bad_profile")
-        indices_before = dict(self.indices)
+        labels = profile.get("labels")
+        budget = profile.get("memory_budget_bytes")
         enrolled = self.enrolment.admit(
             device_id, self.indices
         )  # after validation: a refused hello takes no seat
         info = DeviceInfo(
             device_id,
             enrolled.index,
-            num_samples,
+            profile["num_samples"],
             profile=profile,
             memory_budget_bytes=budget,
-            labels=labels,
+            labels=None if labels is None else tuple(sorted(set(labels))),
             board=board,
             tier=enrolled.tier,
         )
         previous = self.records.get(device_id)
         self.records[device_id] = DeviceRecord(info, online=True, last_seen=now)
-        if previous is None or previous.info.profile != info.profile or self.indices != indices_before:
-            self._save()
+        entry = _entry(info)
+        if self._stored.get(device_id) != entry:
+            self._record(device_id, entry)
         if previous is None:
             emulating = emulated_class(profile)
             log.info(
@@ -165,7 +196,7 @@ class DeviceRegistry:
                 device_id,
                 info.index,
                 "" if info.tier is None else f", enrolled tier {info.tier}",
-                num_samples,
+                info.num_samples,
                 budget,
                 f", emulating {emulating}" if emulating else "",
             )

@@ -10,6 +10,7 @@ import matplotlib
 import numpy as np
 
 from nestling.server.plan_summary import summarise_plans
+from nestling.strict_json import strict_dumps
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -47,7 +48,7 @@ def plot_accuracy(out_dir: Path, title: str) -> Path:
 
 def write_summary(out_dir: Path, summary: dict[str, Any]) -> Path:
     path = out_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2, sort_keys=True))
+    path.write_text(strict_dumps(summary, indent=2, sort_keys=True))
     return path
 
 

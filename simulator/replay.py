@@ -27,6 +27,7 @@ from nestling.simulator.emulated_fleet import trace_profile
 from nestling.simulator.fleetdata import client_provider, device_id, device_index
 from nestling.simulator.inprocess import InProcessTransport
 from nestling.spec import SubmodelSpec
+from nestling.strict_json import strict_dumps
 
 TIMELINE = "timeline.jsonl"
 
@@ -153,7 +154,7 @@ class Replay:
                         "device_class": trace.device_class,
                         "trace_device": trace.device_id,
                     }
-                    stream.write(json.dumps(row) + "\n")
+                    stream.write(strict_dumps(row) + "\n")
             if on_round is not None:
                 on_round(record)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from nestling.simulator.reproduce import Comparison, RunResult, Spread, Verdict
+from nestling.strict_json import strict_dumps
 
 
 def _cell(spread: Spread) -> str:
@@ -138,6 +138,6 @@ def write_results(
         "plot": out_dir / "accuracy.png",
     }
     paths["markdown"].write_text(markdown(comparison, table, verdicts, runs, command))
-    paths["json"].write_text(json.dumps(as_json(comparison, table, verdicts, runs), indent=2) + "\n")
+    paths["json"].write_text(strict_dumps(as_json(comparison, table, verdicts, runs), indent=2) + "\n")
     plot(comparison, runs, paths["plot"])
     return paths

@@ -15,7 +15,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from nestling.errors import ConfigError, WireError
 from nestling.wire.codec import (
@@ -26,6 +26,7 @@ from nestling.wire.codec import (
     pack_frame,
     unpack_frame,
 )
+from nestling.wire.schemas import chunk_layout
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
 MIN_CHUNK_SIZE = 1024  # bounds the chunk count of a transfer, hence the size of missing() lists
@@ -87,16 +88,9 @@ def frames_to_send(
 
 def _chunk_layout(header: dict[str, Any], body_length: int) -> tuple[str, int, int, int, int, str]:
     """Validate a chunk header against itself; return (id, index, count, chunk size, total, sha)."""
-    transfer_id = _check_transfer_id(header.get("transfer_id"))
-    values = [header.get(name) for name in ("index", "count", "chunk_size", "total_length")]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise WireError(
-            f"chunk of transfer {transfer_id}: index/count/chunk_size/total_length must be integers >= 0"
-        )
-    index, count, chunk_size, total_length = cast(list[int], values)  # checked to be ints above
-    payload_sha256 = header.get("payload_sha256")
-    if not isinstance(payload_sha256, str) or re.fullmatch(r"[0-9a-f]{64}", payload_sha256) is None:
-        raise WireError(f"chunk of transfer {transfer_id}: payload_sha256 must be 64 hex digits")
+    layout = chunk_layout(header)
+    transfer_id, index, count = layout.transfer_id, layout.index, layout.count
+    chunk_size, total_length, payload_sha256 = layout.chunk_size, layout.total_length, layout.payload_sha256
     if chunk_size < MIN_CHUNK_SIZE or count != _chunk_count(total_length, chunk_size) or index >= count:
         raise WireError(
             f"chunk of transfer {transfer_id}: inconsistent layout "

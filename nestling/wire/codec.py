@@ -21,6 +21,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from nestling.errors import WireError
+from nestling.wire.schemas import ChunkLayout, chunk_layout, chunk_request_header
 
 MAGIC = b"NSTL"
 FORMAT_VERSION = 1  # the byte after MAGIC: how the frame itself is laid out
@@ -37,6 +38,11 @@ _KIND_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 _COMPUTED_FIELDS = ("schema", "kind", "body_sha256", "body_length")
 _CALLER_FIELDS = ("message_id", "round", "device_id", "spec_id", "meta")
+# The only header fields besides the common ones: what a chunk (or a re-request) says of its transfer.
+_KIND_FIELDS = {
+    CHUNK_KIND: frozenset(ChunkLayout.__struct_fields__),
+    CHUNK_REQUEST_KIND: frozenset({"transfer_id"}),
+}
 
 
 # No honest frame carries an integer anywhere near 2**53 (a round, a schema, a count): bounding them here
@@ -116,6 +122,13 @@ def _check_fields(header: Mapping[str, Any]) -> None:
     for name, (is_legal, legal) in _FIELD_RULES.items():
         if not is_legal(header[name]):
             raise WireError(f"header field {name!r} must be {legal}, got {header[name]!r:.80}")
+    unknown = sorted(set(header) - set(_FIELD_RULES) - _KIND_FIELDS.get(header["kind"], frozenset()))
+    if unknown:
+        raise WireError(f"unknown header field(s) {', '.join(unknown)[:120]} for kind {header['kind']!r}")
+    if header["kind"] == CHUNK_KIND:  # typed here, so a receiver may route by them before reading the body
+        chunk_layout(header)
+    elif header["kind"] == CHUNK_REQUEST_KIND:
+        chunk_request_header(header)
 
 
 def pack_frame(kind: str, header: Mapping[str, Any], body: bytes | bytearray | memoryview = b"") -> bytes:

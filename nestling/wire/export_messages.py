@@ -214,18 +214,28 @@ def _files(value: Any) -> dict[str, str]:
     return value
 
 
+_REPORT_FIELDS = frozenset(
+    {"order_id", "session", "status", "submodel", "models", "bundle", "files", "parity", "latency_ms"}
+    | {"accuracy", "tensorrt", "error", "seconds"}
+)
+
+
 def decode_export_report(payload: bytes) -> tuple[ExportReport, str]:
     """(ExportReport, the server session it answers); control-sized, no tensors, every field checked."""
     message = decode_message(payload, max_bytes=CONTROL_BYTES)
     meta = _expect(message, EXPORT_REPORT)
     if message.device_id is None or message.spec_id is None or message.tensors:
         raise WireError("an export report names its device and spec and carries no tensors")
+    unknown = sorted(set(meta) - _REPORT_FIELDS)
+    if unknown:
+        raise WireError(f"export report: unknown field(s) {', '.join(unknown)[:120]}")
     status = meta.get("status")
-    if status not in REPORT_STATUSES:
+    if not isinstance(status, str) or status not in REPORT_STATUSES:
         raise WireError(f"field 'status' must be one of {REPORT_STATUSES}, got {status!r:.40}")
     models = meta.get("models")
     if (
         not isinstance(models, list)
+        or not all(isinstance(m, str) for m in models)
         or not set(models) <= set(BUNDLE_MODELS)
         or len(models) > len(BUNDLE_MODELS)
     ):

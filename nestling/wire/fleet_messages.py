@@ -16,6 +16,7 @@ from nestling.errors import WireError
 from nestling.messages import Result, Task
 from nestling.packed import pack
 from nestling.wire.codec import Message, decode_message, encode_message
+from nestling.wire.schemas import hello_profile, result_meta, status_resources
 
 HELLO, STATUS, TASK, RESULT, REHELLO, SERVER_STATUS = (
     "hello",
@@ -41,16 +42,6 @@ def _short(meta: dict[str, Any], name: str) -> str:
     value = _require(meta, name, str, "a string")
     if not 0 < len(value) <= 128:
         raise WireError(f"field {name!r} must have 1-128 characters")
-    return value
-
-
-MAX_COUNT = 10**9  # far above any board's sample count; bounds what reaches an aggregation weight
-
-
-def _count(meta: dict[str, Any], name: str) -> int:
-    value = _require(meta, name, int, f"an integer in [0, {MAX_COUNT}]")
-    if not 0 <= value <= MAX_COUNT:
-        raise WireError(f"field {name!r} must be in [0, {MAX_COUNT}], got {value!r:.40}")
     return value
 
 
@@ -128,21 +119,22 @@ def encode_result(result: Result, session: str) -> bytes:
 
 
 def decode_result(message: Message) -> tuple[Result, str]:
-    """(Result, the server session it answers); tensors are checked against the task by the receiver."""
-    meta = _expect(message, RESULT)
+    """(Result, the server session it answers); meta and metrics checked against their schema
+    (nestling.wire.schemas), tensors against the task by the receiver."""
+    meta, metrics = result_meta(_expect(message, RESULT))
     if message.round is None or message.device_id is None or message.spec_id is None:
         raise WireError("a result names its round, device and spec")
     result = Result(
         round=message.round,
         device_id=message.device_id,
-        task_id=_short(meta, "task_id"),
+        task_id=meta.task_id,
         spec_id=message.spec_id,
         weights=message.tensors,
-        num_samples=_count(meta, "num_samples"),
-        metrics=_require(meta, "metrics", dict, "an object"),
-        model_id=_short(meta, "model_id"),
+        num_samples=meta.num_samples,
+        metrics=metrics,
+        model_id=meta.model_id,
     )
-    return result, _short(meta, "session")
+    return result, meta.session
 
 
 # -- hello and status (device → server, control size) ------------------------------------------
@@ -151,12 +143,12 @@ def encode_hello(device_id: str, profile: dict[str, Any]) -> bytes:
 
 
 def decode_hello(payload: bytes) -> tuple[str, dict[str, Any]]:
-    """(device id, profile); the profile's fields are checked by the server's registry."""
+    """(device id, profile checked against nestling.wire.schemas.HelloProfile, defaults omitted)."""
     message = decode_message(payload, max_bytes=CONTROL_BYTES)
     profile = _expect(message, HELLO)
     if message.device_id is None or message.tensors:
         raise WireError("a hello names its device and carries no tensors")
-    return message.device_id, profile
+    return message.device_id, hello_profile(profile)
 
 
 @dataclass(frozen=True)
@@ -186,9 +178,10 @@ def decode_status(payload: bytes) -> DeviceStatus:
     state = meta.get("state")
     if message.device_id is None or state not in DEVICE_STATES:
         raise WireError(f"a status names its device and a state in {DEVICE_STATES}, got {state!r:.40}")
-    return DeviceStatus(
-        message.device_id, state, message.round, _require(meta, "resources", dict, "an object")
-    )
+    unknown = sorted(set(meta) - {"state", "resources"})
+    if unknown:
+        raise WireError(f"status: unknown field(s) {', '.join(map(str, unknown))[:80]}", "bad_status")
+    return DeviceStatus(message.device_id, state, message.round, status_resources(meta.get("resources")))
 
 
 # -- server status (retained) and control ------------------------------------------------------

@@ -13,7 +13,10 @@ from nestling.edge.emulation import EmulatedDevice
 from nestling.messages import Task
 from nestling.models.config import ModelConfig
 from nestling.profiler.board_profile import (
+    MAX_GFLOPS,
+    MAX_OVERHEAD,
     MAX_PARTS,
+    MIN_STEP_S,
     NARROW_WIDTH,
     BoardProfile,
     NarrowFigure,
@@ -97,6 +100,12 @@ def _valid() -> dict:
         (lambda d: d["parts"][1].update(forward_s=1e9), "forward_s"),
         (lambda d: d["parts"][1].update(activation_bytes=-5), "activation_bytes"),
         (lambda d: d["parts"][1].pop("backward_s"), "parts[1]"),
+        # absurd figures that would make every plan predict 0 s (issue 25)
+        (lambda d: d.update(gflops=1e6), "gflops"),
+        (lambda d: d.update(step_s=1e-9), "step_s"),
+        (lambda d: [p.update(forward_s=0.0, backward_s=0.0) for p in d["parts"]], "parts"),
+        (lambda d: [p.update(forward_s=1e-12, backward_s=0.0) for p in d["parts"]], "parts"),
+        (lambda d: d["parts"][0].update(forward_s=-1.0), "forward_s"),
     ],
 )
 def test_bad_or_oversized_values_are_refused_naming_the_field(change, field) -> None:
@@ -105,6 +114,17 @@ def test_bad_or_oversized_values_are_refused_naming_the_field(change, field) -> 
     with pytest.raises(ProfileError) as caught:
         parse_board_profile(data)
     assert caught.value.field == field
+
+
+def test_no_admitted_profile_predicts_a_free_step() -> None:
+    """The fastest profile the bounds admit still predicts at least MIN_STEP_S per step for the smallest member."""
+    data = _valid()
+    data.update(gflops=MAX_GFLOPS, step_s=MIN_STEP_S)
+    for part in data["parts"]:
+        part.update(forward_s=MIN_STEP_S / len(data["parts"]) / MAX_OVERHEAD, backward_s=0.0)
+    fastest = parse_board_profile(data)
+    for member in MEMBERS:
+        assert fastest.train_seconds(member, 10) >= MIN_STEP_S
 
 
 def test_a_profile_that_is_not_an_object_is_refused() -> None:

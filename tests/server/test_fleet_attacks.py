@@ -228,3 +228,25 @@ def test_a_sign_flipped_board_is_refused_on_direction(broker):
         if clean.state[k].is_floating_point()
     ]
     assert abs(float(torch.stack(shift).mean())) < 0.004
+
+
+def _nan_weights(task, board):
+    result = honest(task, board)
+    result.weights = {
+        k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in result.weights.items()
+    }
+    return result
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "counter"),
+    [(inflated_samples, "rejected_num_samples"), (_nan_weights, "rejected_non_finite")],
+)
+def test_a_round_whose_boards_all_answered_closes_at_once_though_one_answer_was_refused(
+    broker, behaviour, counter
+):
+    """A refused result (by the coordinator, or at the transport) is its board's answer: no 300 s wait."""
+    attacked = run_fleet(broker, f"answered-{counter}", rounds=1, behaviours={2: behaviour}, deadline_s=300.0)
+    record = attacked.records[0]
+    assert record.counters[counter] == 1 and record.accepted == 2 and record.aggregated
+    assert record.closed_at - record.dispatched_at < 30.0

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from nestling.errors import WireError
+from nestling.profiler.board_profile import MAX_PARTS, SCHEMA
 from nestling.server.enrolment import Enrolment
 from nestling.server.registry import DeviceRegistry
 
@@ -80,3 +84,77 @@ def test_a_refused_hello_takes_no_open_seat():
     with pytest.raises(WireError):
         registry.register("bad", {"num_samples": -1}, now=0.0)
     assert registry.register("good", {"num_samples": 1}, now=0.0).index == 0
+
+
+def _measured_profile(parts: int) -> dict:
+    """A valid measured profile of `parts` parts (MAX_PARTS: the most a hello can make the registry keep, ~20 KB)."""
+    part = {"forward_s": 0.001, "backward_s": 0.002, "activation_bytes": 4096}
+    return {
+        "schema": SCHEMA,
+        "spec_id": "0123456789ab",
+        "arch": "resnet110",
+        "batch": 32,
+        "memory_bytes": 2**31,
+        "margin": 0.2,
+        "gflops": 9.6,
+        "step_s": 0.003 * parts * 1.2,
+        "parts": [{**part, "name": f"block{i}"} for i in range(parts)],
+        "source": "measured",
+    }
+
+
+def test_a_flood_of_1000_hellos_costs_the_same_per_hello_and_survives_a_restart(tmp_path):
+    """Each hello appends one journal line (it used to rewrite every profile: 63 hellos took 70 s). 64-part
+    profiles keep the test short; rewriting them all would still write ~2.5 GB over the flood."""
+    path = tmp_path / "registry.json"
+    registry = DeviceRegistry(path)
+    profile = _measured_profile(64)
+    times = []
+    for i in range(1000):
+        started = time.perf_counter()
+        registry.register(f"board-{i:04d}", {"num_samples": 10, "board_profile": profile}, now=0.0)
+        times.append(time.perf_counter() - started)
+    first, last = sum(times[:100]), sum(times[-100:])
+    assert sum(times) < 20.0  # ~2 ms each here, on a loaded 2-core box
+    assert last < 3 * first + 0.5  # no growth with the fleet's size
+    before = {d: registry.indices[d] for d in registry.indices}
+    restarted = DeviceRegistry(path)  # replays the journal into a fresh snapshot
+    assert restarted.indices == before and len(before) == 1000
+    assert not restarted.journal.exists()
+    stored = json.loads(path.read_text())
+    assert (
+        len(stored["devices"]) == 1000
+        and len(stored["devices"]["board-0999"]["board_profile"]["parts"]) == 64
+    )
+    assert restarted.register("board-0500", {"num_samples": 10}, now=1.0).index == before["board-0500"]
+
+
+def test_the_largest_profile_is_kept_whole_across_a_restart(tmp_path):
+    path = tmp_path / "registry.json"
+    DeviceRegistry(path).register(
+        "big", {"num_samples": 3, "board_profile": _measured_profile(MAX_PARTS)}, 0.0
+    )
+    stored = json.loads(path.with_name("registry.json.journal").read_text())["entry"]
+    assert len(stored["board_profile"]["parts"]) == MAX_PARTS
+    assert "big" in json.loads(DeviceRegistry(path).path.read_text())["devices"]
+
+
+def test_a_journal_cut_short_by_a_crash_keeps_every_complete_line(tmp_path):
+    path = tmp_path / "registry.json"
+    registry = DeviceRegistry(path)
+    for i in range(3):
+        registry.register(
+            f"b{i}", {"num_samples": 1, "index": 10 + i}, now=0.0
+        )  # claimed indices are ignored
+    with registry.journal.open("a") as fh:
+        fh.write('{"device": "b9", "ind')  # the process died mid-line
+    assert DeviceRegistry(path).indices == {"b0": 0, "b1": 1, "b2": 2}
+
+
+def test_re_hellos_that_change_a_profile_keep_the_journal_bounded(tmp_path):
+    registry = DeviceRegistry(tmp_path / "registry.json")
+    for round_ in range(50):
+        for i in range(4):
+            registry.register(f"b{i}", {"num_samples": 1 + round_}, now=0.0)
+    assert len(registry.journal.read_text().splitlines()) <= 65  # compacted past max(64, fleet size)
+    assert DeviceRegistry(tmp_path / "registry.json").register("b3", {"num_samples": 1}, now=0.0).index == 3

@@ -58,6 +58,7 @@ def test_too_many_parts_are_refused_and_the_largest_valid_profile_fits_a_control
     data = summary()
     part = data["parts"][1]
     data["parts"] = [{**part, "name": f"block{i}"} for i in range(MAX_PARTS)]
+    data["step_s"] = sum(p["forward_s"] + p["backward_s"] for p in data["parts"])  # the step its parts make
     data["source"], data["narrow"] = "measured", {"width": 0.25, "step_s": 3599.999999}  # a measured board's
     data["task_s"] = 3599.999999
     assert len(encode_hello("b", {"num_samples": 5, "board_profile": data})) < CONTROL_BYTES

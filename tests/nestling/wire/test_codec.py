@@ -129,7 +129,7 @@ GOOD_BODY = save_safetensors({"w": torch.ones(4)})
         (frame(valid_header(GOOD_BODY), GOOD_BODY + b"\0"), "beyond its declared length"),
         (frame(valid_header(GOOD_BODY), GOOD_BODY[:-1] + b"\1"), "sha256 mismatch"),
         (frame(valid_header(b"not safetensors"), b"not safetensors"), "safetensors parse error"),
-        (frame(valid_header(kind="chunk")), "transfer frame"),
+        (frame(valid_header(kind="chunk")), "chunk header"),  # a chunk without its layout
     ],
 )
 def test_every_defect_is_rejected_with_its_reason(payload, reason):
@@ -144,9 +144,10 @@ def test_oversized_message_is_rejected_before_parsing():
         decode_message(payload, max_bytes=len(payload) - 1)
 
 
-def test_unknown_header_fields_are_tolerated_for_forward_compatibility():
-    header = valid_header(added_in_a_later_minor="x")
-    assert decode_message(frame(header)).header["added_in_a_later_minor"] == "x"
+def test_unknown_header_fields_are_refused_by_name():
+    """A new field is a new schema version (SUPPORTED_SCHEMA_VERSIONS), never a silent extra."""
+    with pytest.raises(WireError, match="unknown header field.*added_in_a_later_minor"):
+        decode_message(frame(valid_header(added_in_a_later_minor="x")))
 
 
 def test_check_finite_names_the_first_poisoned_tensor():

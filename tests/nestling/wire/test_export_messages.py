@@ -10,6 +10,7 @@ from nestling.models.config import ModelConfig
 from nestling.spec import SubmodelSpec
 from nestling.wire.codec import decode_message, encode_message
 from nestling.wire.export_messages import (
+    EXPORT_REPORT,
     ExportOrder,
     ExportReport,
     decode_export_order,
@@ -191,3 +192,12 @@ def test_an_oversized_report_or_one_with_tensors_is_refused():
 def test_the_encoder_refuses_what_the_server_would_refuse():
     with pytest.raises(WireError, match="'bundle' must be a string of at most 1024"):
         encode_export_report(report(bundle="/deep" * 300), "s1")
+
+
+def test_a_report_with_an_unknown_field_or_unhashable_models_is_refused_by_name() -> None:
+    base = {"order_id": "o", "session": "s", "status": "failed", "models": [], "files": {}, "parity": {}}
+    base |= {"latency_ms": {}, "accuracy": {}, "tensorrt": {}, "error": "x", "seconds": 1.0}
+    for meta, named in (({**base, "steer": 1}, "unknown field"), ({**base, "models": [{}]}, "models")):
+        payload = encode_message(EXPORT_REPORT, {"device_id": "d", "spec_id": "x", "meta": meta})
+        with pytest.raises(WireError, match=named):
+            decode_export_report(payload)
