@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from nestling.cli import WORKSTATION_MODULES
 
@@ -95,13 +96,21 @@ def _run_blocked(body: str, blocked: set[str]) -> subprocess.CompletedProcess[st
     code = BLOCKER.format(blocked=sorted(blocked)) + body
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd="/", env=env, check=False
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd="/",
+        env=env,
+        check=False,
     )
 
 
 def test_the_board_dependency_set_is_pyprojects_base_and_leaves_the_workstation_out() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    base = {d.split(";")[0].split(">")[0].split("<")[0].split("=")[0].strip() for d in project["dependencies"]}
+    base = {
+        d.split(";")[0].split(">")[0].split("<")[0].split("=")[0].strip() for d in project["dependencies"]
+    }
     assert base == {"torch", "numpy", "safetensors", "onnx", "onnxruntime", "psutil", "paho-mqtt", "tomli"}
     workstation = {d.split(">")[0] for d in project["optional-dependencies"]["workstation"]}
     assert workstation == {"amqtt", "rich", "matplotlib", "scikit-learn", "cryptography", "Pillow"}
