@@ -18,6 +18,7 @@ CACHE=${NESTLING_BOARD_CACHE:-/var/cache/nestling-board}
 ROOTFS=$CACHE/rootfs-bookworm-arm64
 MIRROR=${NESTLING_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 PORT=${NESTLING_BOARD_PORT:-18839}
+BOARD_RAM_MB=${NESTLING_BOARD_RAM_MB:-2048}
 FRESH=no
 for arg in "$@"; do
   case "$arg" in
@@ -69,6 +70,7 @@ PIDS=()
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  [ -n "${CGROUP:-}" ] && rmdir "$CGROUP" 2>/dev/null
   for mount in dev/pts dev sys proc; do
     mountpoint -q "$ROOTFS/$mount" && umount -l "$ROOTFS/$mount"
   done
@@ -164,8 +166,21 @@ sleep 3
 SERVER=$!
 PIDS+=("$SERVER")
 say "starting the agent on the board (two rounds, then its own ONNX export; logs in $WORK)"
-chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/bin:/bin LANG=C.UTF-8 OMP_NUM_THREADS=1 \
-  NESTLING_PEAK_RSS_FILE=/opt/board/peak_rss.json \
+# The board's RAM: a memory cgroup of $BOARD_RAM_MB (a 2 GB Pi 4 by default) holds the agent, so the budget it
+# measures for training is a board's, not this host's (qemu-user shows the guest the host's /proc/meminfo).
+CGROUP=""
+for base in /sys/fs/cgroup/memory /sys/fs/cgroup/unified /sys/fs/cgroup; do
+  if [ -f "$base/memory.limit_in_bytes" ] || grep -qw memory "$base/cgroup.subtree_control" 2>/dev/null; then
+    CGROUP=$base/nestling-board-check-$$
+    mkdir -p "$CGROUP"
+    if [ -f "$CGROUP/memory.limit_in_bytes" ]; then limit_file=memory.limit_in_bytes; else limit_file=memory.max; fi
+    echo $((BOARD_RAM_MB * 1024 * 1024)) >"$CGROUP/$limit_file"
+    break
+  fi
+done
+[ -n "$CGROUP" ] || say "no memory cgroup to enter: the agent's training budget will be this host's available memory"
+sh -c 'if [ -n "$1" ]; then echo $$ >"$1/cgroup.procs"; fi; shift; exec "$@"' sh "$CGROUP" \
+  chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/bin:/bin LANG=C.UTF-8 OMP_NUM_THREADS=1 \
   nice -n 10 /opt/nestling/.venv/bin/nestling agent --config /opt/board/agent.toml --log-level INFO \
   >"$WORK/agent.log" 2>&1 &
 AGENT=$!
@@ -204,5 +219,7 @@ if [ -f "$BOARD/bundle/bundle.json" ]; then
 fi
 profile_line=$(grep -m1 "profile of tinycnn" "$WORK/agent.log" | sed 's/.*nestling.agent INFO //' || true)
 say "self-profile on the board: ${profile_line:-none (see $CACHE/last-agent.log)}"
-agent_peak_rss_mb=$(board /opt/nestling/.venv/bin/python -c "import json; print(round(json.load(open('/opt/board/peak_rss.json'))['peak_rss_bytes'] / 2**20))" 2>/dev/null || echo nan)
-echo "arch=$(chroot "$ROOTFS" uname -m) rounds_ok=$rounds_ok export_ok=$export_ok infer_ok=$infer_ok board_install_mb=$board_install_mb agent_peak_rss_mb=$agent_peak_rss_mb"
+# The agent's own figure at exit: its guest pages only (edge/board_memory.py), qemu's left out.
+agent_peak_rss_mb=$(sed -n 's/.*peak resident memory \([0-9]*\) MiB.*/\1/p' "$WORK/agent.log" | tail -n1)
+say "$(grep -m1 'peak resident memory' "$WORK/agent.log" || echo 'no memory line from the agent')"
+echo "arch=$(chroot "$ROOTFS" uname -m) rounds_ok=$rounds_ok export_ok=$export_ok infer_ok=$infer_ok board_install_mb=$board_install_mb agent_peak_rss_mb=${agent_peak_rss_mb:-nan}"
