@@ -82,6 +82,8 @@ for mount in proc sys dev dev/pts; do
   mountpoint -q "$ROOTFS/$mount" || mount --bind "/$mount" "$ROOTFS/$mount"
 done
 cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"
+# This host's trust store, so the board reaches PyPI as this host does (behind a site's TLS proxy too).
+cp /etc/ssl/certs/ca-certificates.crt "$ROOTFS/etc/ssl/certs/ca-certificates.crt"
 board() { chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 OMP_NUM_THREADS=1 "$@"; }
 
 # 3. The board install: this checkout's files (no venv, no git), then the documented command on the board.
