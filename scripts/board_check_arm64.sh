@@ -71,7 +71,7 @@ cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
   [ -n "${CGROUP:-}" ] && rmdir "$CGROUP" 2>/dev/null
-  for mount in dev/pts dev sys proc; do
+  for mount in proc/cpuinfo dev/pts dev sys proc; do
     mountpoint -q "$ROOTFS/$mount" && umount -l "$ROOTFS/$mount"
   done
   return 0
@@ -81,10 +81,21 @@ for mount in proc sys dev dev/pts; do
   mkdir -p "$ROOTFS/$mount"
   mountpoint -q "$ROOTFS/$mount" || mount --bind "/$mount" "$ROOTFS/$mount"
 done
+# The board's CPU: a Raspberry Pi 4's Cortex-A72, for qemu (QEMU_CPU below) and in /proc/cpuinfo. qemu-user
+# passes the host's /proc/cpuinfo through (an x86 CPU's), and onnxruntime's CPU detection dies on it when its
+# library loads (SIGSEGV: "qemu: uncaught target signal 11" at import, so at the board's first export); on a
+# real board /proc/cpuinfo describes its ARM cores, as this file does.
+CPUINFO=$CACHE/cpuinfo-cortex-a72
+: >"$CPUINFO"
+for i in $(seq 0 $(($(nproc) - 1))); do
+  printf 'processor\t: %d\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm crc32 cpuid\nCPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0xd08\nCPU revision\t: 3\n\n' "$i" >>"$CPUINFO"
+done
+printf 'Hardware\t: BCM2835\nModel\t\t: Raspberry Pi 4 Model B (emulated by qemu-user)\n' >>"$CPUINFO"
+mountpoint -q "$ROOTFS/proc/cpuinfo" || mount --bind "$CPUINFO" "$ROOTFS/proc/cpuinfo"
 cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"
 # This host's trust store, so the board reaches PyPI as this host does (behind a site's TLS proxy too).
 cp /etc/ssl/certs/ca-certificates.crt "$ROOTFS/etc/ssl/certs/ca-certificates.crt"
-board() { chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 OMP_NUM_THREADS=1 "$@"; }
+board() { chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 OMP_NUM_THREADS=1 QEMU_CPU=cortex-a72 "$@"; }
 
 # 3. The board install: this checkout's files (no venv, no git), then the documented command on the board.
 say "copying the source to /opt/nestling on the board"
@@ -182,7 +193,7 @@ for base in /sys/fs/cgroup/memory /sys/fs/cgroup/unified /sys/fs/cgroup; do
 done
 [ -n "$CGROUP" ] || say "no memory cgroup to enter: the agent's training budget will be this host's available memory"
 sh -c 'if [ -n "$1" ]; then echo $$ >"$1/cgroup.procs"; fi; shift; exec "$@"' sh "$CGROUP" \
-  chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/bin:/bin LANG=C.UTF-8 OMP_NUM_THREADS=1 \
+  chroot "$ROOTFS" /usr/bin/env -i HOME=/root PATH=/usr/bin:/bin LANG=C.UTF-8 OMP_NUM_THREADS=1 QEMU_CPU=cortex-a72 \
   nice -n 10 /opt/nestling/.venv/bin/nestling agent --config /opt/board/agent.toml --log-level INFO \
   >"$WORK/agent.log" 2>&1 &
 AGENT=$!

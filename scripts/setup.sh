@@ -85,13 +85,17 @@ PIP=".venv/bin/python -m pip"
 # A torch the venv already sees (its own, or the system's through --system-site-packages) is kept.
 # Everything installs under the `nestling` namespace (an editable install maps nestling.server to ./server
 # and so on).
+# A board compiles the bytecode of what it imports, on first import, rather than all 6,600 modules of torch,
+# sympy, networkx and onnx up front (146 MB on aarch64, most of which an agent never imports).
+COMPILE=()
+[ "$MODE" = --board ] && COMPILE=(--no-compile)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  $PIP install --quiet "torch==$TORCH_PIN"
+  $PIP install --quiet "${COMPILE[@]}" "torch==$TORCH_PIN"
 fi
 case "$MODE" in
   --board)
     # The base only: torch, numpy, safetensors, onnx, onnxruntime, psutil, paho-mqtt.
-    $PIP install --quiet -e .
+    $PIP install --quiet --no-compile -e .
     .venv/bin/python -c "import torch, onnxruntime; print(f'board install ready: torch {torch.__version__}, onnxruntime {onnxruntime.__version__}')"
     ;;
   --dev)
