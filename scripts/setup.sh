@@ -92,6 +92,16 @@ COMPILE=()
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install --quiet "${COMPILE[@]}" "torch==$TORCH_PIN"
 fi
+# torch's C++ headers (~60 MB, 9,400 files) serve compiling extensions and torch.compile's C++ backend, which
+# need a compiler toolchain a board does not carry; the board's own torch (never a system one) goes without.
+if [ "$MODE" = --board ] && [ -z "${NESTLING_KEEP_TORCH_HEADERS:-}" ]; then
+  for headers in .venv/lib/python3*/site-packages/torch/include; do
+    if [ -d "$headers" ]; then
+      rm -rf "$headers"
+      echo "removed torch's C++ headers from the venv (NESTLING_KEEP_TORCH_HEADERS=1 keeps them)"
+    fi
+  done
+fi
 case "$MODE" in
   --board)
     # The base only: torch, numpy, safetensors, onnx, onnxruntime, psutil, paho-mqtt.
