@@ -72,14 +72,21 @@ cleanup() {
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
   [ -n "${CGROUP:-}" ] && rmdir "$CGROUP" 2>/dev/null
   for mount in proc/cpuinfo dev/pts dev sys proc; do
-    mountpoint -q "$ROOTFS/$mount" && umount -l "$ROOTFS/$mount"
+    mountpoint -q "$ROOTFS/$mount" && umount -R -l "$ROOTFS/$mount"
   done
   return 0
 }
 trap cleanup EXIT
+# Recursive for /sys: the agent reads its memory cgroup under /sys/fs/cgroup, a mount of its own.
 for mount in proc sys dev dev/pts; do
   mkdir -p "$ROOTFS/$mount"
-  mountpoint -q "$ROOTFS/$mount" || mount --bind "/$mount" "$ROOTFS/$mount"
+  if ! mountpoint -q "$ROOTFS/$mount"; then
+    if [ "$mount" = sys ]; then
+      mount --rbind /sys "$ROOTFS/sys" && mount --make-rslave "$ROOTFS/sys"
+    else
+      mount --bind "/$mount" "$ROOTFS/$mount"
+    fi
+  fi
 done
 # The board's CPU: a Raspberry Pi 4's Cortex-A72, for qemu (QEMU_CPU below) and in /proc/cpuinfo. qemu-user
 # passes the host's /proc/cpuinfo through (an x86 CPU's), and onnxruntime's CPU detection dies on it when its
@@ -218,7 +225,7 @@ lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()
 rounds = len({row["round"] for row in lines if "round" in row})
 summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
 rows = summary.get("deployables", [])
-ok = any(isinstance(r, dict) and r.get("device") == "arm64-board" and r.get("status") == "ok" for r in rows)
+ok = any(isinstance(r, dict) and r.get("device_id") == "arm64-board" and r.get("status") == "ok" for r in rows)
 print(rounds, "yes" if ok else "no")
 EOF
 ) || { rounds_ok=0; export_ok=no; }
@@ -228,7 +235,7 @@ if [ -f "$BOARD/bundle/bundle.json" ]; then
   if board /opt/nestling/.venv/bin/nestling infer --bundle /opt/board/bundle /opt/board/x.npy --json >"$WORK/infer.json" 2>"$WORK/infer.err"; then
     infer_ok=yes
   fi
-  say "nestling infer on the board: $infer_ok ($(head -c 200 "$WORK/infer.json"))"
+  say "nestling infer on the board: $infer_ok ($(tr -d " \n" <"$WORK/infer.json" | head -c 160))"
 fi
 profile_line=$(grep -m1 "profile of tinycnn" "$WORK/agent.log" | sed 's/.*nestling.agent INFO //' || true)
 say "self-profile on the board: ${profile_line:-none (see $CACHE/last-agent.log)}"
