@@ -199,6 +199,24 @@ def cgroup_headroom(proc_cgroup: Path = PROC_SELF / "cgroup", root: Path = CGROU
     return headroom
 
 
+def cgroup_limit(proc_cgroup: Path = PROC_SELF / "cgroup", root: Path = CGROUP_ROOT) -> int | None:
+    """The tightest memory limit of this process's cgroups, or None without one."""
+    limits = [
+        limit
+        for folder in _cgroup_dirs(proc_cgroup, root)
+        for name in ("memory.max", "memory.limit_in_bytes")
+        if (limit := _read_int(folder / name)) is not None and limit < _NO_LIMIT
+    ]
+    return min(limits) if limits else None
+
+
+def total_bytes(proc_cgroup: Path = PROC_SELF / "cgroup", root: Path = CGROUP_ROOT) -> int:
+    """The board's memory as this process may use it: RAM, or its cgroup's limit when that is smaller."""
+    total = int(psutil.virtual_memory().total)
+    limit = cgroup_limit(proc_cgroup, root)
+    return total if limit is None else min(total, limit)
+
+
 def available_bytes(proc_cgroup: Path = PROC_SELF / "cgroup", root: Path = CGROUP_ROOT) -> int:
     """Memory a new allocation can take now: the kernel's MemAvailable, capped by the cgroup's headroom."""
     available = int(psutil.virtual_memory().available)

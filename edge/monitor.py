@@ -9,7 +9,7 @@ from typing import Any
 import psutil
 import torch
 
-from nestling.edge.board_memory import ProcessMemory, available_bytes
+from nestling.edge.board_memory import ProcessMemory, available_bytes, total_bytes
 
 
 def _temperature_c() -> float | None:
@@ -33,7 +33,6 @@ class ResourceMonitor:
 
     def profile(self) -> dict[str, Any]:
         """Fixed facts about the board (sent once per hello)."""
-        memory = psutil.virtual_memory()
         facts: dict[str, Any] = {
             "machine": platform.machine(),
             "system": platform.system(),
@@ -41,7 +40,7 @@ class ResourceMonitor:
             "torch_version": torch.__version__,
             "cores": os.cpu_count() or 1,
             "torch_threads": torch.get_num_threads(),
-            "total_memory_bytes": int(memory.total),
+            "total_memory_bytes": total_bytes(),
             "torch_device": self.torch_device,
         }
         if torch.device(self.torch_device).type == "cuda" and torch.cuda.is_available():

@@ -18,8 +18,10 @@ from nestling.edge.board_memory import (
     ProcessMemory,
     available_bytes,
     cgroup_headroom,
+    cgroup_limit,
     emulator_of,
     guest_resident_bytes,
+    total_bytes,
 )
 
 GUEST_MAPS = """\
@@ -108,6 +110,9 @@ def test_cgroup_v2_the_tightest_limit_on_the_way_up_counts_with_its_reclaimable_
         },
     )
     assert cgroup_headroom(proc, sys_root) == gib // 2 + gib // 8
+    assert cgroup_limit(proc, sys_root) == gib and total_bytes(proc, sys_root) == min(
+        gib, psutil.virtual_memory().total
+    )
     (sys_root / "system.slice/nestling-agent.service/memory.max").write_text("max\n")
     assert cgroup_headroom(proc, sys_root) == 2 * gib
     (sys_root / "system.slice/memory.max").write_text("max\n")
