@@ -131,6 +131,12 @@ def _run(
     while not agent.wait(1.0):
         pass
     agent.stop()
+    memory = agent.monitor.memory.reading()
+    print(
+        f"agent {config.device.id}: peak resident memory {memory.peak_rss_bytes / 2**20:.0f} MiB, "
+        f"now {memory.rss_bytes / 2**20:.0f} MiB ({memory.source})",
+        flush=True,
+    )
     return 0
 
 

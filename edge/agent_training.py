@@ -92,14 +92,16 @@ class AgentTraining:
             self._pace_upload(result, trained)
         self.uploads.send(frames)
         self.results_sent += 1
+        memory = self.presence.monitor.memory.reading()
         log.info(
-            "round %d: sent %s for submodel %s (%.2f MB, %.2fs training, loss %s)",
+            "round %d: sent %s for submodel %s (%.2f MB, %.2fs training, loss %s, peak memory %.0f MiB)",
             task.round,
             task.task_id,
             result.spec_id,
             len(payload) / 1e6,
             result.metrics["train_seconds"],
             result.metrics.get("loss_mean"),
+            memory.peak_rss_bytes / 2**20,
         )
         self.presence.heartbeat()
 

@@ -9,6 +9,8 @@ from typing import Any
 import psutil
 import torch
 
+from nestling.edge.board_memory import ProcessMemory, available_bytes, total_bytes
+
 
 def _temperature_c() -> float | None:
     """Hottest sensor reading (Jetson and Pi throttle when hot); None where the kernel exposes none."""
@@ -26,12 +28,11 @@ class ResourceMonitor:
 
     def __init__(self, torch_device: str = "cpu") -> None:
         self.torch_device = torch_device
-        self.process = psutil.Process()
+        self.memory = ProcessMemory()  # emulator-free RSS and peak (edge/board_memory.py)
         psutil.cpu_percent(None)  # prime: the first call has no interval to measure over
 
     def profile(self) -> dict[str, Any]:
         """Fixed facts about the board (sent once per hello)."""
-        memory = psutil.virtual_memory()
         facts: dict[str, Any] = {
             "machine": platform.machine(),
             "system": platform.system(),
@@ -39,7 +40,7 @@ class ResourceMonitor:
             "torch_version": torch.__version__,
             "cores": os.cpu_count() or 1,
             "torch_threads": torch.get_num_threads(),
-            "total_memory_bytes": int(memory.total),
+            "total_memory_bytes": total_bytes(),
             "torch_device": self.torch_device,
         }
         if torch.device(self.torch_device).type == "cuda" and torch.cuda.is_available():
@@ -49,11 +50,12 @@ class ResourceMonitor:
 
     def snapshot(self) -> dict[str, Any]:
         """How loaded the board is right now."""
-        memory = psutil.virtual_memory()
+        own = self.memory.reading()
         snap: dict[str, Any] = {
             "cpu_percent": psutil.cpu_percent(None),
-            "available_memory_bytes": int(memory.available),
-            "rss_bytes": int(self.process.memory_info().rss),
+            "available_memory_bytes": available_bytes(),
+            "rss_bytes": own.rss_bytes,
+            "peak_rss_bytes": own.peak_rss_bytes,
         }
         temperature = _temperature_c()
         if temperature is not None:

@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import torch
 
+from nestling.edge.board_memory import available_bytes
 from nestling.edge.emulation import EmulationTarget
 from nestling.edge.procedures import ClientData
 from nestling.edge.trainer import run_task
@@ -93,11 +94,12 @@ class ProfileInputs:
 
 
 def available_memory(torch_device: str) -> int:
-    """Bytes training may take now: free GPU memory on CUDA, else available RAM (Jetsons share it)."""
+    """Bytes training may take now: free GPU memory on CUDA, else available RAM (Jetsons share it), capped
+    by the memory cgroup the agent runs in (a container, a systemd MemoryMax=)."""
     if torch.device(torch_device).type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(torch.device(torch_device))
         return int(free)
-    return int(psutil.virtual_memory().available)
+    return available_bytes()
 
 
 def emulated_profile(inputs: ProfileInputs, target: EmulationTarget) -> BoardProfile:

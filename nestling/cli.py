@@ -54,6 +54,17 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str, str]] = {
     "traces": ("nestling.simulator.traces_cli", "traces_main", "generate or import device traces"),
 }
 
+# Modules of the [workstation] extra (pyproject.toml) → their distribution: absent on a board install.
+WORKSTATION_MODULES = {
+    "amqtt": "amqtt",
+    "rich": "rich",
+    "matplotlib": "matplotlib",
+    "sklearn": "scikit-learn",
+    "scipy": "scipy",
+    "cryptography": "cryptography",
+    "PIL": "Pillow",
+}
+
 SIMULATE_FLAGS: list[tuple[str, str, type, str]] = [
     (
         "--method",
@@ -235,11 +246,22 @@ def demo_main(argv: list[str]) -> int:
     return _run_external("nestling.server.fleet_demo", "demo_main", argv)
 
 
+def missing_module(exc: ModuleNotFoundError) -> NestlingError:
+    """What to install for a command whose module is absent (a board install has no [workstation] extra)."""
+    top = (exc.name or "").split(".")[0]
+    if top in WORKSTATION_MODULES:
+        return NestlingError(
+            f"this command needs {WORKSTATION_MODULES[top]} (module '{exc.name}'), which a board install "
+            "leaves out: pip install 'nestling[workstation]' (or bash scripts/setup.sh without --board)"
+        )
+    return NestlingError(f"this command needs the module '{exc.name}', which is not installed")
+
+
 def _run_external(module: str, function: str, argv: list[str]) -> int:
     try:
         entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), function)
     except ModuleNotFoundError as exc:
-        raise NestlingError(f"this command needs the module '{exc.name}', which is not installed") from None
+        raise missing_module(exc) from None
     return int(entry(argv) or 0)
 
 
@@ -295,6 +317,9 @@ def dispatch(argv: list[str]) -> int:
         return 2
     except NestlingError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # `simulate` imports its progress table (rich) itself
+        print(f"error: NestlingError: {missing_module(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from nestling.data.bundle import DatasetBundle, RawSplits, finish_bundle, stratified_sample
 from nestling.data.cifar import load_cifar
 from nestling.data.idx import load_fashion_mnist
-from nestling.errors import ConfigError
+from nestling.errors import ConfigError, DependencyError
 
 DIGITS_SIDE = 16  # load_digits is 8x8; two stride-2 ResNet stages would leave 2x2, so upsample to 16x16
 DIGITS_TEST_FRACTION = 0.2
@@ -25,7 +25,14 @@ def _load_digits(root: Path | None, seed: int) -> RawSplits:
     Bilinear upsampling to 16x16 keeps the CIFAR ResNets' stem and two stride-2 stages meaningful
     (8x8 would shrink to 2x2 before the last stage); it adds no information, only room.
     """
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ModuleNotFoundError as exc:
+        raise DependencyError(
+            "[data] dataset 'digits' ships inside scikit-learn, which a board install leaves out: "
+            "pip install scikit-learn (or 'nestling[workstation]'), or train on 'synthetic' or a "
+            "file-backed dataset (fashion-mnist, cifar10, cifar100) under [data] root"
+        ) from exc
 
     digits = load_digits()
     pixels = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)  # 0..16 -> [0, 1]
