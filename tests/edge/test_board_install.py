@@ -111,7 +111,17 @@ def test_the_board_dependency_set_is_pyprojects_base_and_leaves_the_workstation_
     base = {
         d.split(";")[0].split(">")[0].split("<")[0].split("=")[0].strip() for d in project["dependencies"]
     }
-    assert base == {"torch", "numpy", "safetensors", "onnx", "onnxruntime", "psutil", "paho-mqtt", "tomli"}
+    assert base == {
+        "torch",
+        "numpy",
+        "safetensors",
+        "onnx",
+        "onnxruntime",
+        "psutil",
+        "paho-mqtt",
+        "msgspec",
+        "tomli",
+    }
     workstation = {d.split(">")[0] for d in project["optional-dependencies"]["workstation"]}
     assert workstation == {"amqtt", "rich", "matplotlib", "scikit-learn", "cryptography", "Pillow"}
     assert set(WORKSTATION_MODULES.values()) - {"scipy"} == workstation
