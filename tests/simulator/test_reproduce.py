@@ -63,7 +63,7 @@ def tiny_preset(tmp_path: Path) -> Path:
 def test_every_shipped_preset_builds_each_method_at_each_scale() -> None:
     """A typo in a preset's options must fail here, not after hours of the other methods' training; the
     ablations docs/reproductions.md cites (examples/reproduce/ablations/) are checked the same way."""
-    assert {"nefl", "fedepth", "scalefl", "dynamicfl"} <= set(known_comparisons())
+    assert {"nefl", "fedepth", "scalefl", "dynamicfl", "fedtrans"} <= set(known_comparisons())
     ablations = sorted(str(p) for p in (PRESET_DIR / "ablations").glob("*.toml"))
     assert len(ablations) >= 3
     for name in [*known_comparisons(), *ablations]:
