@@ -116,3 +116,48 @@ def test_heterofl_derives_fedtrans_largest_model_and_one_rate_per_tier_in_fedtra
         assert heterofl.rate_of(0, device) == rates[letters[tier]]
     with pytest.raises(ConfigError, match="FedTrans must finish"):
         heterofl_on_fedtrans_largest(source, tmp_path / "missing")
+
+
+TINY_FEDTRANS = """
+name = "fedtrans-tiny"
+title = "FedTrans then HeteroFL on its largest model, on digits"
+source = "a test"
+metrics = ["clients", "full"]
+claims = ["fedtrans > heterofl on clients"]
+
+[[methods]]
+label = "fedtrans"
+method = "fedtrans"
+options = { capacities = [1, 8], gamma = 1, delta = 1, beta = 10.0 }
+
+[[methods]]
+label = "heterofl"
+method = "heterofl"
+derive = { from = "fedtrans", rule = "fedtrans-largest" }
+
+[scales.small]
+run = { rounds = 3, eval_every = 3, workers = 1, min_update_cosine = -1.0, quorum = 0.5 }
+data = { dataset = "digits", partition = "iid", clients = 4, limit_train = 160, limit_test = 60 }
+model = { arch = "tinycnn" }
+train = { fraction = 1.0, local_steps = 2, batch_size = 10, lr = 0.05, momentum = 0.0, schedule = "constant" }
+"""
+
+
+@pytest.mark.slow
+def test_the_fedtrans_comparison_runs_both_phases_in_one_command(tmp_path: Path) -> None:
+    """~30 s: FedTrans grows, then HeteroFL trains its largest model; both are judged on the clients' mean."""
+    from nestling.simulator.reproduce_cli import reproduce
+
+    preset = tmp_path / "fedtrans-tiny.toml"
+    preset.write_text(TINY_FEDTRANS)
+    comparison = load_comparison(str(preset), "small")
+    out = tmp_path / "out"
+    runs, _files, last = reproduce(comparison, [0], out, quiet=True)
+    assert {r.label for r in runs} == {"fedtrans", "heterofl"}
+    grown = json.loads((out / "seed-0" / "fedtrans" / "summary.json").read_text())
+    largest = grown["method_report"]["fedtrans"]["models"][-1]
+    assert len(grown["method_report"]["fedtrans"]["models"]) > 1  # the family grew
+    heterofl = (out / "seed-0" / "heterofl" / "config.toml").read_text()
+    assert f"block_hidden = {largest['block_hidden']}" in heterofl and 'mix = "' in heterofl
+    assert "ordering_held=" in last and "fedtrans_clients=" in last
+    assert all(r.compute["steps_max"] == 2 for r in runs)
