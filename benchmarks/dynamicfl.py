@@ -1,21 +1,27 @@
 """DynamicFL vs FedAvg on the same plain model (issue 14), and what an expansion costs per capacity class.
 
 Every seed runs FedAvg and DynamicFL (paper protocol) with the same data, partition, rounds, schedule and
-client draws; the boards' capacities are {0, 1, 2} in equal thirds by client index. Reported:
+client draws; the boards' capacities are {0, 1, 2} in equal thirds by client index. Local training runs at least
+two epochs (the released code's 2, the default): the modulation (DYMM, or the released code's growth) runs after
+the first epoch, so with one epoch the structure a board reports was never trained (`--local-epochs 1` is
+refused). Reported:
 
 * `dynamicfl_acc`, `fedavg_acc`: test accuracy of the final global model, mean over seeds.
 * `gain_by_capacity=g0/g1/g2`, in points, mean over seeds, one of two measures (`--gain-by`):
-  `label-mix` (default, no extra runs): the mixed run's final model's test accuracy weighted by the label mix of
-  each capacity class's clients, DynamicFL minus FedAvg — with label-skewed clients this mostly measures which
-  labels each class holds; `single-class`: two more runs per seed in which every board has capacity 1 (then 2),
-  minus FedAvg (capacity 0 everywhere is FedAvg bit for bit, so g0 = 0). A gain that grows with capacity is
-  the paper's claim.
+  `single-class` (default): two more runs per seed in which every board has capacity 1 (then 2), minus FedAvg
+  (capacity 0 everywhere is FedAvg bit for bit, so g0 = 0): the capacity effect the paper claims grows with c;
+  `label-mix` (no extra runs, diagnostic only): the mixed run's one final model weighted by the label mix of each
+  capacity class's clients, DynamicFL minus FedAvg — that measures which labels each class holds, not capacity.
+* `expanded_by_capacity=e0/e1/e2`: what was trained — per capacity class of the mixed run, the mean number of
+  convs the boards' final-round structure expands (trained in epochs 2..E of that round), mean over seeds; the
+  convs themselves are printed per class.
 * extra training time and memory per capacity class: one training step of the model with c convs expanded
   (the paper's round-0 choice, bottom-up), timed side by side with the plain step (interleaved repetitions)
   and its autograd-saved bytes measured (profiler.memory.SavedTensorMeter), with the estimator's price
   (nestling.reparam.capacity_cost, the worst choice of c convs) beside it.
 
-Last line: `dynamicfl_acc=… fedavg_acc=… gain_by_capacity=g0/g1/g2 time_ratio_by_capacity=… saved_mb_by_capacity=…`.
+Last line: `dynamicfl_acc=… fedavg_acc=… gain_by_capacity=g0/g1/g2 gain_by=… local_epochs=E expanded_by_capacity=…
+time_ratio_by_capacity=… saved_mb_by_capacity=…`.
 """
 
 from __future__ import annotations
@@ -120,6 +126,18 @@ def class_label_mix(data: Any, clients: int) -> list[np.ndarray]:
     return [mix / max(mix.sum(), 1) for mix in mixes]
 
 
+def trained_structures(summary: dict[str, Any]) -> dict[int, tuple[float, dict[str, int]]]:
+    """Per capacity class of a DynamicFL run: mean convs expanded in the boards' final structure, and how many
+    boards expanded each conv (what the boards trained after the round's modulation)."""
+    classes = summary.get("method_report", {}).get("dynamicfl", {}).get("classes", {})
+    trained: dict[int, tuple[float, dict[str, int]]] = {}
+    for label, entry in classes.items():
+        structures = [s or {} for s in entry.get("structures", {}).values()]
+        mean = statistics.mean(len(s) for s in structures) if structures else 0.0
+        trained[int(label.removeprefix("c"))] = (mean, dict(entry.get("expanded_sites", {})))
+    return trained
+
+
 def step_costs(
     model_name: str, dataset_shape: tuple[int, int, int], classes: int, batch: int, repeats: int
 ) -> list[dict]:
@@ -208,16 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--gain-by",
-        default="label-mix",
-        choices=("label-mix", "single-class"),
-        help="label-mix: the mixed run's model on each capacity class's label mix; single-class: extra runs in "
-        "which every board has capacity c, minus FedAvg (c = 0 is FedAvg bit for bit)",
+        default="single-class",
+        choices=("single-class", "label-mix"),
+        help="single-class: extra runs in which every board has capacity c, minus FedAvg (c = 0 is FedAvg bit for "
+        "bit); label-mix (diagnostic): the mixed run's one model on each capacity class's label mix",
     )
     parser.add_argument("--quick", action="store_true", help="digits, tinycnn, 3 rounds: a smoke check")
     a = parser.parse_args(argv)
     if a.quick:
-        a.dataset, a.model, a.clients, a.rounds, a.local_epochs, a.batch = "digits", "tinycnn", 6, 3, 1, 16
+        a.dataset, a.model, a.clients, a.rounds, a.local_epochs, a.batch = "digits", "tinycnn", 6, 3, 2, 16
         a.fraction, a.workers, a.repeats, a.seeds, a.limit_train = 1.0, 1, 3, "0", 360
+    if a.local_epochs < 2:
+        parser.error(
+            f"--local-epochs {a.local_epochs}: DynamicFL modulates the structure after the first epoch, so with "
+            "one epoch the structure reported is not the one trained; use 2 or more (the released code's 2)"
+        )
     if a.data_root is None and a.dataset.startswith("cifar"):
         from nestling.simulator.reproduce_cli import default_data_root
 
@@ -232,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     accuracy: dict[str, list[float]] = {"fedavg": [], "dynamicfl": []}
     gains: list[list[float]] = []
+    expanded: list[list[float]] = []
     with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
         work = Path(a.out) if a.out else Path(tmp)
         extra = [1, 2] if a.gain_by == "single-class" else []
@@ -248,6 +272,15 @@ def main(argv: list[str] | None = None) -> int:
                 data = data or load_fleet_data(**fleet_args(cfg))
                 by_method[method] = per_label_accuracy(run_dir, data)
                 progress.advance(bar)
+                if method == "dynamicfl":
+                    trained = trained_structures(summary)
+                    expanded.append([trained.get(c, (0.0, {}))[0] for c in CAPACITIES])
+                    for capacity in CAPACITIES:
+                        mean, sites = trained.get(capacity, (0.0, {}))
+                        print(
+                            f"seed {seed}: capacity {capacity} boards trained {mean:.2f} expanded convs in the "
+                            f"final round (boards per conv: {sites or 'none'})"
+                        )
             assert data is not None
             mixes = class_label_mix(data, a.clients)
             label_mix = [100 * float(mix @ (by_method["dynamicfl"] - by_method["fedavg"])) for mix in mixes]
@@ -274,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         shape = tuple(data.bundle.train.x.shape[1:]) if data is not None else (3, 32, 32)
         classes = data.bundle.num_classes if data is not None else 10
-    costs = step_costs(a.model, shape, classes, a.batch, a.repeats)  # type: ignore[arg-type]
+    costs = step_costs(a.model, shape, classes, a.batch, a.repeats)
     for row in costs:
         print(
             f"capacity {row['capacity']}: step time x{row['time_ratio']:.2f} of plain, saved activations "
@@ -297,11 +330,13 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"accuracy": accuracy, "gains": gains, "costs": costs}, separators=(",", ":")),
         file=sys.stderr,
     )
+    mean_expanded = [statistics.mean(e[i] for e in expanded) for i in range(len(CAPACITIES))]
     ratios = "/".join(f"{row['time_ratio']:.2f}" for row in costs)
     saved = "/".join(f"{(row['saved_bytes'] - plain_saved) / 2**20:+.1f}" for row in costs)
     print(
         f"dynamicfl_acc={statistics.mean(accuracy['dynamicfl']):.2f} fedavg_acc={statistics.mean(accuracy['fedavg']):.2f} "
-        f"gain_by_capacity={'/'.join(f'{g:+.2f}' for g in mean_gains)} "
+        f"gain_by_capacity={'/'.join(f'{g:+.2f}' for g in mean_gains)} gain_by={a.gain_by} "
+        f"local_epochs={a.local_epochs} expanded_by_capacity={'/'.join(f'{e:.2f}' for e in mean_expanded)} "
         f"time_ratio_by_capacity={ratios} saved_mb_by_capacity={saved}"
     )
     return 0

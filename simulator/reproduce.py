@@ -4,6 +4,10 @@ A comparison is a TOML preset (examples/reproduce/NAME.toml): the methods it com
 the orderings the paper claims ("nefl-wd > fjord on worst"), and per scale the [run]/[data]/[model]/[train]
 tables every method shares. Seeds, partitions and the test set are identical across the methods of one seed
 because all of them derive from `run.seed` and the shared tables; only the method and its options differ.
+So a claim is judged per seed, paired: the same seed is the same partition, initial weights and draws, and a
+claim is *clear* only when it holds on every seed both methods finished and its mean paired margin exceeds the
+spread of the paired margins (`judge`). A method's options may also come from another method's finished run of
+the same seed (`derive`, e.g. HeteroFL on FedTrans's final largest model): the command runs both phases.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ else:  # pragma: no cover
 PRESET_DIR = Path(__file__).resolve().parents[1] / "examples" / "reproduce"
 SCALES = ("small", "paper")
 SHARED_SECTIONS = ("run", "data", "model", "train")
+DEFAULT_SEEDS = "0,1,2"  # three seeds: two cannot tell a seed that disagrees from noise
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class Entry:
     method: str
     options: dict[str, Any] = field(default_factory=dict)
     paper: dict[str, float] = field(default_factory=dict)
+    # {"from": LABEL, "rule": NAME}: options and [model] changes come from LABEL's finished run of the same seed
+    derive: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,14 +82,29 @@ class Comparison:
     claims: tuple[Claim, ...]
     metrics: tuple[str, ...]
 
-    def config(self, entry: Entry, seed: int, data_root: str | None = None) -> SimConfig:
-        """The simulate config of one method and seed; everything but the method is shared."""
+    def config(
+        self, entry: Entry, seed: int, data_root: str | None = None, source_run: Path | None = None
+    ) -> SimConfig:
+        """The simulate config of one method and seed; everything but the method is shared.
+
+        A derived entry reads `source_run` (its source method's finished run of this seed); without one (a
+        preset being checked before anything ran) it is built as if the source had not changed the model."""
         data = {section: dict(values) for section, values in self.shared.items()}
         data.setdefault("run", {})["seed"] = seed
         data["run"].setdefault("checkpoint_every", 1)  # resumable
         if data_root is not None:
             data.setdefault("data", {})["root"] = data_root
-        data["method"] = {"name": entry.method, **entry.options}
+        options = dict(entry.options)
+        if entry.derive:
+            from nestling.simulator.reproduce_derive import derived_settings
+
+            source = self.entry(entry.derive["from"])
+            extra_options, model_changes = derived_settings(
+                entry.derive["rule"], self.config(source, seed, data_root), source_run
+            )
+            options.update(extra_options)
+            data["model"] = {**data.get("model", {}), **model_changes}
+        data["method"] = {"name": entry.method, **options}
         return config_from_dict(data)
 
     def entry(self, label: str) -> Entry:
@@ -129,6 +151,7 @@ def load_comparison(name_or_path: str, scale: str) -> Comparison:
             method=str(m["method"]),
             options=dict(m.get("options", {})),
             paper={k: float(v) for k, v in m.get("paper", {}).items()},
+            derive={str(k): str(v) for k, v in m.get("derive", {}).items()},
         )
         for m in raw.get("methods", [])
     )
@@ -137,6 +160,20 @@ def load_comparison(name_or_path: str, scale: str) -> Comparison:
     labels = [e.label for e in entries]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"{path.name} repeats a method label: {labels}")
+    for position, entry in enumerate(entries):
+        if entry.derive:
+            from nestling.simulator.reproduce_derive import RULES
+
+            if set(entry.derive) != {"from", "rule"} or entry.derive["rule"] not in RULES:
+                raise ConfigError(
+                    f"{path.name} method {entry.label!r}: derive needs from = LABEL and rule = one of "
+                    f"{sorted(RULES)}, got {entry.derive}"
+                )
+            if entry.derive["from"] not in labels[:position]:
+                raise ConfigError(
+                    f"{path.name} method {entry.label!r} derives from {entry.derive['from']!r}, "
+                    "which must be a method listed before it"
+                )
     metrics = tuple(str(m) for m in raw.get("metrics", ["worst", "avg"]))
     for metric in metrics:
         metric_reader(metric)
@@ -168,10 +205,17 @@ def load_comparison(name_or_path: str, scale: str) -> Comparison:
 # -- metrics of one evaluation (a metrics.jsonl record's "submodels" list) ---------------------------------
 
 
+SUMMARY_METRICS = ("clients",)  # read from summary.json at the end, not from every evaluation
+
+
 def metric_reader(metric: str) -> Callable[[list[dict[str, Any]]], float]:
-    """worst / avg over submodels, full (the largest), level-K (K-th smallest by parameters, 1-based)."""
+    """worst (METHODS' smallest submodel: fewest parameters, then fewest MACs — not the lowest accuracy over
+    submodels), avg over submodels, full (the largest), level-K (K-th smallest by parameters, 1-based);
+    clients: the mean over boards of each board's accuracy on the model it deploys (summary.json `boards`)."""
     if metric == "worst":
-        return lambda subs: min(float(s["accuracy"]) for s in subs)
+        return lambda subs: float(min(subs, key=lambda s: (s["parameters"], s.get("macs", 0)))["accuracy"])
+    if metric == "clients":
+        return lambda subs: math.nan  # only at the end of a run, from summary.json (read_run)
     if metric == "avg":
         return lambda subs: statistics.fmean(float(s["accuracy"]) for s in subs)
     if metric == "full":
@@ -186,7 +230,7 @@ def metric_reader(metric: str) -> Callable[[list[dict[str, Any]]], float]:
             return float(ordered[rank]["accuracy"])
 
         return level
-    raise ConfigError(f"unknown metric {metric!r} (known: worst, avg, full, level-K)")
+    raise ConfigError(f"unknown metric {metric!r} (known: worst, avg, full, level-K, clients)")
 
 
 @dataclass
@@ -199,6 +243,7 @@ class RunResult:
     curve: dict[str, list[tuple[int, float]]]
     wall_seconds: float
     rounds: int
+    compute: dict[str, float] = field(default_factory=dict)  # per client-round: steps and training MACs
 
 
 def read_run(label: str, seed: int, run_dir: Path, metrics: tuple[str, ...]) -> RunResult:
@@ -209,16 +254,26 @@ def read_run(label: str, seed: int, run_dir: Path, metrics: tuple[str, ...]) -> 
     evaluated = [r for r in records if r.get("submodels")]
     if not evaluated:
         raise ConfigError(f"{run_dir} has no evaluated round: set run.eval_every or evaluate at the end")
-    readers = {m: metric_reader(m) for m in metrics}
-    curve = {m: [(int(r["round"]), 100.0 * readers[m](r["submodels"])) for r in evaluated] for m in metrics}
+    readers = {m: metric_reader(m) for m in metrics if m not in SUMMARY_METRICS}
+    curve = {
+        m: [(int(r["round"]), 100.0 * read(r["submodels"])) for r in evaluated] for m, read in readers.items()
+    }
     summary = json.loads((run_dir / "summary.json").read_text())
+    if "clients" in metrics:
+        boards = summary.get("boards") or {}
+        if not isinstance(boards.get("mean"), (int, float)):
+            raise ConfigError(f"{run_dir}/summary.json has no boards' mean accuracy for metric 'clients'")
+        curve["clients"] = [(int(evaluated[-1]["round"]), 100.0 * float(boards["mean"]))]
+    from nestling.simulator.reproduce_compute import read_compute
+
     return RunResult(
         label=label,
         seed=seed,
-        final={m: points[-1][1] for m, points in curve.items()},
-        curve=curve,
+        final={m: curve[m][-1][1] for m in metrics},
+        curve={m: curve[m] for m in metrics},
         wall_seconds=float(summary.get("wall_seconds", 0.0)),
         rounds=len(records),
+        compute=read_compute(run_dir),
     )
 
 
@@ -244,19 +299,26 @@ class Spread:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One claim measured: margin = mean(better) - mean(worse); `clear` when it exceeds the seed spread,
-    measured over at least two seeds of each method."""
+    """One claim judged per seed, paired over the seeds both methods finished (`margins`: seed → better − worse).
+
+    margin = mean paired margin; spread = sample standard deviation of the paired margins; held = margin > 0;
+    clear = at least two paired seeds, better ahead on every one of them, and margin > spread."""
 
     claim: Claim
     margin: float
     spread: float
     held: bool
     clear: bool
-    seeds: int  # the fewer seeds of the two methods: one seed has no spread to exceed
+    seeds: int  # paired seeds: one seed has no spread to exceed
+    margins: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def every_seed(self) -> bool:
+        return bool(self.margins) and all(m > 0 for m in self.margins.values())
 
 
 def summarise_runs(comparison: Comparison, runs: list[RunResult]) -> dict[str, dict[str, Spread]]:
-    """label -> metric -> Spread over seeds."""
+    """label -> metric -> Spread over the seeds that method finished."""
     table: dict[str, dict[str, Spread]] = {}
     for entry in comparison.entries:
         mine = [r for r in runs if r.label == entry.label]
@@ -264,14 +326,27 @@ def summarise_runs(comparison: Comparison, runs: list[RunResult]) -> dict[str, d
     return table
 
 
-def judge(comparison: Comparison, table: dict[str, dict[str, Spread]]) -> list[Verdict]:
-    """Each claim with its margin against the larger of the two methods' seed spreads."""
+def paired_verdict(claim: Claim, better: dict[int, float], worse: dict[int, float]) -> Verdict:
+    """`claim` judged on the seeds both sides have (seed → final metric); other seeds are left out of both."""
+    seeds = sorted(set(better) & set(worse))
+    margins = {seed: better[seed] - worse[seed] for seed in seeds}
+    if not margins:
+        return Verdict(claim, math.nan, math.nan, False, False, 0, {})
+    values = list(margins.values())
+    margin = statistics.fmean(values)
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    held = margin > 0
+    clear = len(values) > 1 and all(v > 0 for v in values) and margin > spread
+    return Verdict(claim, margin, spread, held, clear, len(values), margins)
+
+
+def judge(comparison: Comparison, runs: list[RunResult]) -> list[Verdict]:
+    """Every claim judged per seed, paired (`paired_verdict`), from the finished runs."""
     verdicts = []
     for claim in comparison.claims:
-        better, worse = table[claim.better][claim.metric], table[claim.worse][claim.metric]
-        margin = better.mean - worse.mean
-        spread = max(better.std, worse.std)
-        held = margin > 0
-        seeds = min(better.n, worse.n)
-        verdicts.append(Verdict(claim, margin, spread, held, held and seeds > 1 and margin > spread, seeds))
+        sides = [
+            {r.seed: r.final[claim.metric] for r in runs if r.label == label}
+            for label in (claim.better, claim.worse)
+        ]
+        verdicts.append(paired_verdict(claim, sides[0], sides[1]))
     return verdicts

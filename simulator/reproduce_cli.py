@@ -14,8 +14,10 @@ from nestling.config import SimConfig, config_from_dict
 from nestling.config_io import config_to_toml
 from nestling.errors import ConfigError
 from nestling.simulator.reproduce import (
+    DEFAULT_SEEDS,
     SCALES,
     Comparison,
+    Entry,
     RunResult,
     judge,
     known_comparisons,
@@ -41,7 +43,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("name", help=f"comparison name ({', '.join(known_comparisons())}) or a preset .toml path")
     p.add_argument("--scale", choices=SCALES, default="small", help="small: 2 CPU cores; paper: a GPU box")
-    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    p.add_argument(
+        "--seeds",
+        default=DEFAULT_SEEDS,
+        help=f"comma-separated seeds (default {DEFAULT_SEEDS}); claims are judged per seed, paired",
+    )
     p.add_argument("--out", type=Path, help="output folder (default runs/reproduce/NAME-SCALE)")
     p.add_argument("--data-root", help="dataset folder (default: $NESTLING_DATA_ROOT or ../shared/data)")
     p.add_argument("--only", help="comma-separated method labels to run (the table still reads all finished)")
@@ -110,8 +116,10 @@ def run_state(run_dir: Path, cfg: SimConfig) -> str:
 
 
 def run_one(cfg: SimConfig, run_dir: Path, quiet: bool, title: str) -> None:
-    """One method at one seed, resumed from its newest checkpoint when a previous attempt stopped."""
+    """One method at one seed, resumed from its newest checkpoint when a previous attempt stopped; every
+    delivered result's steps and MACs go to the run folder's compute.jsonl (reproduce_compute)."""
     from nestling.progress import RoundProgress
+    from nestling.simulator.reproduce_compute import ComputeMeter
     from nestling.simulator.run import run_simulation
 
     state = run_state(run_dir, cfg)
@@ -120,7 +128,12 @@ def run_one(cfg: SimConfig, run_dir: Path, quiet: bool, title: str) -> None:
     with RoundProgress(cfg.run.rounds, enabled=not quiet, title=title) as progress:
         # "new" may still hold this configuration's attempt that stopped before its first checkpoint
         run_simulation(
-            cfg, run_dir, resume=state == "partial", overwrite=state == "new", on_round=progress.update
+            cfg,
+            run_dir,
+            resume=state == "partial",
+            overwrite=state == "new",
+            on_round=progress.update,
+            tamper=ComputeMeter(run_dir),
         )
 
 
@@ -137,21 +150,38 @@ def reproduce(
     """Run every (seed, method) not yet finished, then write the table; returns runs, files and the last line."""
     for label in only or []:
         comparison.entry(label)
+
+    def config_of(entry: Entry, seed: int) -> SimConfig | None:
+        """The entry's config at `seed`; None for a derived entry whose source has not finished that seed."""
+        if not entry.derive:
+            return comparison.config(entry, seed, data_root)
+        source = comparison.entry(entry.derive["from"])
+        source_dir = out_dir / f"seed-{seed}" / source.label
+        if run_state(source_dir, comparison.config(source, seed, data_root)) != "done":
+            return None
+        return comparison.config(entry, seed, data_root, source_run=source_dir)
+
     for seed in seeds:
-        for entry in comparison.entries:
+        for entry in comparison.entries:  # a derived entry comes after its source (load_comparison checks)
             if only and entry.label not in only:
                 continue
-            cfg = comparison.config(entry, seed, data_root)
+            cfg = config_of(entry, seed)
+            if cfg is None:
+                raise ConfigError(
+                    f"{entry.label} at seed {seed} derives from {entry.derive['from']}, which has not finished "
+                    "that seed: run it first (or drop --only)"
+                )
             run_one(cfg, out_dir / f"seed-{seed}" / entry.label, quiet, f"{entry.label} · seed {seed}")
-    runs = [
-        read_run(entry.label, seed, out_dir / f"seed-{seed}" / entry.label, comparison.metrics)
-        for seed in seeds
-        for entry in comparison.entries
-        if run_state(out_dir / f"seed-{seed}" / entry.label, comparison.config(entry, seed, data_root))
-        == "done"
-    ]
+    runs = []
+    for seed in seeds:
+        for entry in comparison.entries:
+            cfg = config_of(entry, seed)
+            if cfg is not None and run_state(out_dir / f"seed-{seed}" / entry.label, cfg) == "done":
+                runs.append(
+                    read_run(entry.label, seed, out_dir / f"seed-{seed}" / entry.label, comparison.metrics)
+                )
     table = summarise_runs(comparison, runs)
-    verdicts = judge(comparison, table)
+    verdicts = judge(comparison, runs)
     files = write_results(out_dir, comparison, table, verdicts, runs, command)
     held = sum(v.held for v in verdicts)
     clear = sum(v.clear for v in verdicts)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,17 +51,25 @@ class CellOrigin:
 
     kind: inherited (same tensors), widened (a prefix of its units are the older cell's) or inserted (new);
     `inherited_fraction` = #params of the older cell / #params of this cell (1, <1, 0), the cell's mc(l).
+    A widened cell also records how Net2Wider rescaled the older units: `consumer` (the block-relative name
+    of the weight whose input columns are the units) and `divisors`, per unit of the older cell, what its
+    column was divided by (the replication count, multiplied along the lineage). Soft aggregation needs them
+    to express the older weights in this cell's coordinates (`lineage.embed`); empty when nothing was divided.
     """
 
     kind: str
     parent_cell: int | None
     inherited_fraction: float
+    consumer: str = ""
+    divisors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in CELL_KINDS:
             raise ConfigError(f"cell kind must be one of {CELL_KINDS}, got {self.kind!r}")
         if (self.kind == "inserted") != (self.parent_cell is None):
             raise ConfigError("an inserted cell has no parent cell and every other cell has one")
+        if bool(self.consumer) != bool(self.divisors) or any(not d >= 1.0 for d in self.divisors):
+            raise ConfigError("a widened cell's divisors need their consumer weight, and each is >= 1")
 
 
 Provenance = tuple[CellOrigin, ...]  # one CellOrigin per cell of the newer model
@@ -146,21 +155,43 @@ def compose(older: Provenance, newer: Provenance) -> Provenance:
             continue
         fraction = before.inherited_fraction * origin.inherited_fraction
         kind = "inherited" if before.kind == origin.kind == "inherited" else "widened"
-        composed.append(CellOrigin(kind, before.parent_cell, fraction))
+        consumer, divisors = _composed_divisors(before, origin)
+        composed.append(CellOrigin(kind, before.parent_cell, fraction, consumer, divisors))
     return tuple(composed)
 
 
+def _composed_divisors(before: CellOrigin, after: CellOrigin) -> tuple[str, tuple[float, ...]]:
+    """Divisors of A's units in C: A's unit u is unit u of B (the prefix), itself unit u of C."""
+    if not after.divisors:
+        return before.consumer, before.divisors
+    if not before.divisors:
+        return after.consumer, after.divisors
+    return before.consumer, tuple(d * after.divisors[u] for u, d in enumerate(before.divisors))
+
+
 def provenance_to_list(provenance: Provenance) -> list[list[object]]:
-    """JSON form for checkpoints: [kind, parent_cell, inherited_fraction] per cell."""
-    return [[o.kind, o.parent_cell, o.inherited_fraction] for o in provenance]
+    """JSON form for checkpoints: [kind, parent_cell, inherited_fraction(, consumer, divisors)] per cell."""
+    rows: list[list[object]] = []
+    for o in provenance:
+        row: list[object] = [o.kind, o.parent_cell, o.inherited_fraction]
+        if o.divisors:
+            row += [o.consumer, list(o.divisors)]
+        rows.append(row)
+    return rows
 
 
-def provenance_from_list(rows: list[list[object]]) -> Provenance:
+def provenance_from_list(rows: list[list[Any]]) -> Provenance:
+    """Checkpoints written before divisors were recorded read as cells with nothing divided."""
     origins = []
     for row in rows:
-        kind, parent, fraction = row
+        if len(row) not in (3, 5):
+            raise ConfigError(f"a provenance row has 3 or 5 entries, got {row!r}")
+        kind, parent, fraction = row[:3]
+        consumer, divisors = (str(row[3]), tuple(float(d) for d in row[4])) if len(row) == 5 else ("", ())
         origins.append(
-            CellOrigin(str(kind), None if parent is None else int(parent), float(fraction))  # type: ignore[call-overload, arg-type]
+            CellOrigin(
+                str(kind), None if parent is None else int(parent), float(fraction), consumer, divisors
+            )
         )
     return tuple(origins)
 

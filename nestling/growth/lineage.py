@@ -104,7 +104,8 @@ def embed(
 
     Per key of `target`: the source tensor of the corresponding cell (stem and head keys map to themselves),
     cropped to the overlap and paired with the target slices it covers ("crop w_i to fit w_j", HeteroFL
-    prefix overlap). Inserted cells, statistics counters and keys without a counterpart are left out.
+    prefix overlap), a widened cell's consumer columns divided as Net2Wider divided them, so the placed
+    tensors are the older model's function in the newer model's coordinates. Inserted cells, statistics counters and keys without a counterpart are left out.
     """
     placed: dict[str, tuple[torch.Tensor, tuple[slice, ...]]] = {}
     for key, tensor in target.items():
@@ -122,8 +123,24 @@ def embed(
         if older is None or older.dim() != tensor.dim():
             continue
         region = tuple(slice(0, min(a, b)) for a, b in zip(older.shape, tensor.shape))
-        placed[key] = (older[region], region)
+        placed[key] = (_rescaled(older[region], origin, key, divide=True), region)
     return placed
+
+
+def _rescaled(tensor: torch.Tensor, origin: CellOrigin | None, key: str, *, divide: bool) -> torch.Tensor:
+    """`tensor` moved between an older cell's coordinates and a widened descendant's (Net2Wider's division).
+
+    Widening divides the consumer's input column of each older unit by its replication count, so the older
+    model's column u, placed on the descendant, is divided by the same `divisors[u]` (and a descendant's
+    column placed back on the ancestor is multiplied by it). Without this a soft-aggregation step right after
+    a birth would pull the child's divided columns back towards the undivided ones and change its function.
+    """
+    if origin is None or not origin.divisors or key.split(".", 2)[2] != origin.consumer:
+        return tensor
+    width = tensor.shape[1]
+    divisors = torch.tensor(origin.divisors[:width], dtype=tensor.dtype)
+    divisors = divisors.reshape(1, width, *([1] * (tensor.dim() - 2)))
+    return tensor / divisors if divide else tensor * divisors
 
 
 def embed_into_ancestor(
@@ -133,7 +150,7 @@ def embed_into_ancestor(
 
     `cells` is the newer model's provenance relative to the ancestor (`Lineage.correspondence(older, newer)`).
     Every cell of the newer model that has a parent cell gives that cell its tensors, cropped to the overlap
-    (the same prefix rule); inserted cells give nothing, and stem and head keys map to themselves. Each ancestor
+    (the same prefix rule, a widened cell's consumer columns multiplied back); inserted cells give nothing, and stem and head keys map to themselves. Each ancestor
     cell has at most one descendant cell (widen keeps cells one-to-one, deepen only adds cells).
     """
     placed: dict[str, tuple[torch.Tensor, tuple[slice, ...]]] = {}
@@ -141,16 +158,16 @@ def embed_into_ancestor(
         if not newer.is_floating_point():
             continue
         cell = cell_of_key(key)
-        if cell is None:
+        origin = None if cell is None else cells[cell]
+        if origin is None:
             target_key = key
         else:
-            parent = cells[cell].parent_cell
-            if parent is None:
+            if origin.parent_cell is None:
                 continue
-            target_key = f"{cell_prefix(parent)}{key.split('.', 2)[2]}"
+            target_key = f"{cell_prefix(origin.parent_cell)}{key.split('.', 2)[2]}"
         older = target.get(target_key)
         if older is None or not older.is_floating_point() or older.dim() != newer.dim():
             continue
         region = tuple(slice(0, min(a, b)) for a, b in zip(older.shape, newer.shape))
-        placed[target_key] = (newer[region], region)
+        placed[target_key] = (_rescaled(newer[region], origin, key, divide=False), region)
     return placed

@@ -100,7 +100,8 @@ def widen(
     grown = with_layout(config, Layout(layout.stage_blocks, tuple(hidden)))
     provenance = list(identity_provenance(len(hidden)))
     fraction = cell_parameter_count(model_state, cell) / cell_parameter_count(state, cell)
-    provenance[cell] = CellOrigin("widened", cell, fraction)
+    divisors = tuple(float(c) for c in counts.tolist())
+    provenance[cell] = CellOrigin("widened", cell, fraction, recipe.consumer, divisors)
     return Grown(grown, state, tuple(provenance))
 
 

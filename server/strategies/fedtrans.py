@@ -11,6 +11,7 @@ and a stronger board exists, widens/deepens its most active cells into a new mod
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ from nestling.slicing import check_result_tensors, extract, slices_for
 from nestling.spec import SubmodelSpec
 
 State = dict[str, torch.Tensor]
+log = logging.getLogger(__name__)
+PAPER_GAMMA, PAPER_DELTA = 10, 20  # METHODS §4.a.1 (δ = 20 is CIFAR-10's)
 
 
 @dataclass
@@ -100,12 +103,15 @@ class FedTrans(Strategy):
 
     name = "fedtrans"
     global_state: State  # always the seed model's weights (members[0].state): base model of the deployables
+    option_types: ClassVar[dict[str, tuple[type, ...] | None]] = {"gamma": (int, str), "delta": (int, str)}
     option_defaults: ClassVar[dict[str, Any]] = {
         # METHODS §4.a.1 (paper defaults; δ = 20 is CIFAR-10's: 30 FEMNIST, 100 Speech, 50 OpenImage)
         "alpha": 0.9,  # cell selection: act_l >= alpha * max act
         "beta": 0.003,  # transform when DoC <= beta
-        "gamma": 10,  # slopes averaged in DoC
-        "delta": 20,  # width of each slope (rounds)
+        # DoC's slopes and slope width (rounds); "auto": the paper's 10/20 in runs of >= 300 rounds, shorter
+        # runs keep the 1:2 ratio within a tenth of the run (`growth_window`), printed at start
+        "gamma": "auto",
+        "delta": "auto",
         "t_act": 5,  # rounds of aggregated updates behind cell activeness
         "eta": 0.98,  # soft-aggregation decay eta^t (t = global round, AMBIG-12)
         "widen_factor": 2.0,
@@ -134,7 +140,10 @@ class FedTrans(Strategy):
         self.widen_factor = _number(o, "widen_factor", 1.0, math.inf)
         if self.widen_factor <= 1.0:
             raise ConfigError(f"[method] fedtrans widen_factor must be > 1, got {self.widen_factor}")
-        self.gamma, self.delta = _count(o, "gamma"), _count(o, "delta")
+        self.gamma, self.delta, self.window_source = growth_window(
+            o["gamma"], o["delta"], self.ctx.total_rounds
+        )
+        _announce_window(self.gamma, self.delta, self.window_source, self.ctx.total_rounds)
         self.t_act, self.deepen_count = _count(o, "t_act"), _count(o, "deepen_count")
         self.l2s = bool(o["l2s"])  # typed bool by its default (Strategy.check_option)
         self.first = str(o["first_operation"])
@@ -215,13 +224,20 @@ class FedTrans(Strategy):
         return tasks
 
     def deploy_spec(self, device: DeviceInfo, last_round: int) -> SubmodelSpec:
-        """The compatible model of highest utility (METHODS §4.a.6); ties go to the newer, larger model."""
+        """The compatible model of highest utility (METHODS §4.a.6), ties broken by `best_model`."""
         return self.members[self.deployed_model(device)].spec
 
     def deployed_model(self, device: DeviceInfo) -> int:
         fits = self.compatible(self.capacity(device))
-        utilities = self._utilities_of(device.device_id)
-        return max(fits, key=lambda k: (utilities[k], k))
+        return self.best_model(self._utilities_of(device.device_id), fits)
+
+    def best_model(self, utilities: list[float], fits: list[int]) -> int:
+        """Highest utility among `fits`; a tie goes to the model trained in more rounds, then to the older.
+
+        A new model inherits its parent's utilities (Alg. 1, 8a), so every board that has not trained since a
+        birth ties parent and child: ties to the newer model would deploy a model trained for a round or two
+        to those boards; ties to the more-trained one keep the parent until the child earns its utility."""
+        return max(fits, key=lambda k: (utilities[k], len(self.members[k].losses), -k))
 
     # -- results --------------------------------------------------------------------------------
     def model_of(self, task: Task) -> int:
@@ -458,8 +474,7 @@ class FedTrans(Strategy):
         boards: dict[str, str] = {}
         for device_id, capacity in sorted(self.capacities.items()):
             fits = self.compatible(capacity)
-            row = self._utilities_of(device_id)
-            boards[device_id] = model_name(max(fits, key=lambda k: (row[k], k)))
+            boards[device_id] = model_name(self.best_model(self._utilities_of(device_id), fits))
             deployed[boards[device_id]] += 1
         models = []
         for k, member in enumerate(self.members):
@@ -474,6 +489,7 @@ class FedTrans(Strategy):
             "fedtrans": {
                 "models": models,
                 "client_macs_total": self.client_macs,
+                "growth_window": {"gamma": self.gamma, "delta": self.delta, "source": self.window_source},
                 "deployed": boards,
                 "capacity_sources": dict(Counter(c.source for c in self.capacities.values())),
             }
@@ -498,6 +514,51 @@ def _number(options: dict[str, Any], key: str, low: float, high: float) -> float
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= float(value) <= high:
         raise ConfigError(f"[method] fedtrans {key} must be a number in [{low}, {high}], got {value!r}")
     return float(value)
+
+
+def growth_window(gamma: Any, delta: Any, total_rounds: int) -> tuple[int, int, str]:
+    """(γ, δ, where they came from): DoC needs γ + δ rounds of the newest model's loss before any growth.
+
+    "auto" keeps the paper's 10 and 20 when the run has at least ten times their 30 rounds; a shorter run
+    scales the window to a tenth of its rounds (at least 2) in the paper's 1:2 ratio, so growth can happen in
+    the run at all: 10 rounds → γ 1, δ 1; 40 → 1, 3; 100 → 3, 7. Integers are taken as given."""
+    given = {"gamma": gamma, "delta": delta}
+    for key, value in given.items():
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f'[method] fedtrans {key} must be an integer >= 1 or "auto", got {value!r}')
+    if gamma != "auto" and delta != "auto":
+        return int(gamma), int(delta), "given"
+    window = min(PAPER_GAMMA + PAPER_DELTA, max(2, total_rounds // 10))
+    auto_gamma = max(1, round(window * PAPER_GAMMA / (PAPER_GAMMA + PAPER_DELTA)))
+    chosen_gamma = auto_gamma if gamma == "auto" else int(gamma)
+    chosen_delta = max(1, window - chosen_gamma) if delta == "auto" else int(delta)
+    source = "paper" if (chosen_gamma, chosen_delta) == (PAPER_GAMMA, PAPER_DELTA) else "scaled to the run"
+    return chosen_gamma, chosen_delta, source
+
+
+def _announce_window(gamma: int, delta: int, source: str, total_rounds: int) -> None:
+    """Say at start what the DoC window means for this run (a window as long as the run is plain FedAvg)."""
+    if gamma + delta >= total_rounds:
+        log.warning(
+            "fedtrans: gamma %d + delta %d = %d rounds of loss history before any growth, and the run has %d "
+            "rounds: the family never grows, so this run is FedAvg of the seed model (lower gamma/delta or "
+            'leave them "auto")',
+            gamma,
+            delta,
+            gamma + delta,
+            total_rounds,
+        )
+    elif source == "scaled to the run":
+        log.warning(
+            "fedtrans: DoC window scaled to the %d-round run: gamma %d, delta %d (the paper's %d/%d would "
+            "need %d rounds of loss history before the first growth); set them in [method] to choose",
+            total_rounds,
+            gamma,
+            delta,
+            PAPER_GAMMA,
+            PAPER_DELTA,
+            PAPER_GAMMA + PAPER_DELTA,
+        )
 
 
 def _count(options: dict[str, Any], key: str) -> int:

@@ -143,14 +143,17 @@ def test_with_l2s_a_smaller_model_learns_from_a_larger_one_by_the_same_rule() ->
     torch.testing.assert_close(
         small["head.fc.weight"], mix(small_avg["head.fc.weight"], large_avg["head.fc.weight"])
     )
-    # Widened cell 1: the seed's 16 hidden units take the larger model's first 16 (rows of conv1, columns of conv2).
+    # Widened cell 1: the seed's 16 hidden units take the larger model's first 16 (rows of conv1, columns of
+    # conv2, the columns multiplied back by the replication counts Net2Wider divided them by).
     torch.testing.assert_close(
         small["blocks.1.conv1.weight"],
         mix(small_avg["blocks.1.conv1.weight"], large_avg["blocks.1.conv1.weight"][:16]),
     )
+    counts = torch.tensor(lineage.provenances[1][1].divisors).reshape(1, 16, 1, 1)  # type: ignore[index]
+    assert counts.sum() == 32
     torch.testing.assert_close(
         small["blocks.1.conv2.weight"],
-        mix(small_avg["blocks.1.conv2.weight"], large_avg["blocks.1.conv2.weight"][:, :16]),
+        mix(small_avg["blocks.1.conv2.weight"], large_avg["blocks.1.conv2.weight"][:, :16] * counts),
     )
     # The larger model's inserted block 2 feeds nothing; its block 3 is the seed's block 2.
     torch.testing.assert_close(
