@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.messages import Result, Task
+from nestling.strict_json import strict_dumps
 
 COMPUTE_FILE = "compute.jsonl"
 
@@ -47,7 +48,7 @@ class ComputeMeter:
             "macs": float(counter(spec)) * TRAIN_OVER_FORWARD * samples * models,
         }
         with self.path.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
+            handle.write(strict_dumps(row) + "\n")
         return result
 
 
