@@ -31,6 +31,7 @@ from nestling.server.checkpoint import (
 )
 from nestling.server.clock import Clock
 from nestling.server.evaluation import EvalResult, Evaluator
+from nestling.server.influence import bound_influence
 from nestling.server.refusals import RefusalLog
 from nestling.server.running_statistics import measure as measure_statistics
 from nestling.server.running_statistics import statistics_outliers
@@ -48,6 +49,7 @@ from nestling.server.screening import (
     screen_norms,
     update_size,
 )
+from nestling.server.statistics_cohort import cohort_outliers
 from nestling.server.strategies.base import DeviceInfo, Strategy
 from nestling.server.transport import Transport
 
@@ -151,6 +153,7 @@ class Coordinator:
         self.quarantine_log: list[dict[str, Any]] = []  # every quarantine, for the run's summary
         self.aggregate_seconds = 0.0  # screening + aggregation + divergence guard, the robustness overhead
         self._registered: dict[str, DeviceInfo] = {}
+        self._cohort: list[int] = []  # the sample counts the round's available devices registered
         self._updates: dict[str, FlatUpdate] = {}  # task id -> its flat update, for this round's screening
         self._refused_tasks: set[str] = set()  # this round's tasks whose result arrived and was refused
         self._global_layout: GlobalLayout | None = None
@@ -184,6 +187,7 @@ class Coordinator:
             d for d in self.transport.devices() if self.quarantine.get(d.device_id, -1) <= round_index
         ]
         selected = self.select(round_index, available)
+        self._cohort = [d.num_samples for d in available]
         self._registered = {d.device_id: d for d in selected}
         self._updates, self._judged, self._non_finite = {}, set(), set()
         self._refused_tasks = set()
@@ -377,6 +381,11 @@ class Coordinator:
                 refused.setdefault(index, reason)
             for index, reason in statistics_outliers(statistics, robust.update_norm_factor).items():
                 refused.setdefault(index, reason)
+            in_cohort = cohort_outliers(
+                [u.statistics for u in updates], statistics, robust.bn_variance_factor, robust.bn_mean_sigmas
+            )
+            for index, reason in in_cohort.items():
+                refused.setdefault(index, reason)
             for index, reason in sorted(refused.items()):
                 device_id = accepted[index][1].device_id
                 self.refusals.refuse(round_index, device_id, "rejected_update_norm", reason)
@@ -407,6 +416,11 @@ class Coordinator:
                 self.refusals.refuse(round_index, device_id, "rejected_update_direction", reason)
                 counters["rejected_update_direction"] += 1
             accepted = [pair for i, pair in enumerate(accepted) if i not in turned]
+        bounded = bound_influence(accepted, self._cohort, robust.max_sample_factor, robust.max_weight_share)
+        for _, kept, why in bounded.changed.values():
+            counters["bounded_num_samples"] += 1
+            log.info("round %d: a result's weight bounded to %d samples: %s", round_index, kept, why)
+        accepted = bounded.accepted
         if robust.clip_update_norm is not None:
             bound = robust.clip_update_norm
             clipped = []

@@ -205,9 +205,13 @@ def sign_flipped_agreeing(task, board):
 
 
 def test_a_sign_flipped_board_is_refused_on_direction(broker):
-    """Its update has an honest norm, so only its direction gives it away; the four honest boards stay in."""
+    """Its update has an honest norm, so only its direction gives it away; the four honest boards stay in.
+    The direction screen is opt-in (issue 29: honest non-IID boards can point against the others)."""
     behaviours = {board: agreeing for board in range(5)}
-    clean = run_fleet(broker, "agree-clean", rounds=2, behaviours=behaviours, boards=5, deadline_s=3.0)
+    robust = RobustPolicy(min_update_cosine=0.0)
+    clean = run_fleet(
+        broker, "agree-clean", rounds=2, behaviours=behaviours, boards=5, deadline_s=3.0, robust=robust
+    )
     assert all(r.counters.get("rejected_update_direction", 0) == 0 for r in clean.records)
     attacked = run_fleet(
         broker,
@@ -216,6 +220,7 @@ def test_a_sign_flipped_board_is_refused_on_direction(broker):
         behaviours={**behaviours, 4: sign_flipped_agreeing},
         boards=5,
         deadline_s=3.0,
+        robust=robust,
     )
     assert [r.counters.get("rejected_update_direction", 0) for r in attacked.records] == [1, 1]
     assert all(r.aggregated and r.accepted == 4 for r in attacked.records)

@@ -87,7 +87,7 @@ def test_every_methods_honest_run_refuses_nothing_and_is_bit_identical_with_scre
         k: v
         for r in records
         for k, v in r["counters"].items()
-        if v and (k.startswith("rejected_") or k.startswith("clipped") or k == "rolled_back")
+        if v and (k.startswith(("rejected_", "clipped", "bounded_")) or k == "rolled_back")
     }
     assert acted == {}, acted
     on, off = final_weights(tmp_path / "on"), final_weights(tmp_path / "off")
@@ -120,7 +120,8 @@ def test_a_board_inflating_bn_running_variances_is_refused(tmp_path: Path) -> No
 def test_with_quorum_one_a_refused_board_does_not_cost_the_round(tmp_path: Path, attack: str) -> None:
     """The quorum counts results that arrived valid: one refused update (an attacker's, or an honest outlier
     the direction screen refuses) leaves the round to the others instead of abandoning it."""
-    run_simulation(tiny(quorum=1.0, rounds=3), tmp_path, tamper=ATTACKS[attack])
+    direction = {"min_update_cosine": 0.0} if attack == "sign_flipped" else {}  # opt-in (issue 29)
+    run_simulation(tiny(quorum=1.0, rounds=3, **direction), tmp_path, tamper=ATTACKS[attack])
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     refused = {"sign_flipped": "rejected_update_direction"}.get(attack, "rejected_update_norm")
     assert all(r["aggregated"] and r["accepted"] == 4 - r["counters"].get(refused, 0) for r in records)

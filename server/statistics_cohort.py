@@ -1,0 +1,141 @@
+"""BN running statistics judged against the cohort, channel by channel: in-range poisoning.
+
+The screen in server/running_statistics.py refuses statistics far *larger* than the round's (x10 in rms). A
+board can stay under it and still wreck the model: running variances x9, variances of 0 or 1e-30, or running
+means shifted by 8 standard deviations, all with honest weights, took a FedAvg model to chance (issue 25). What
+they share: every channel moves the same way, relative to what the other boards measured for that channel.
+
+So each running variance is compared channel by channel with the round's per-channel median (over the results
+that changed the tensor; nested submodels hold channel prefixes), and the *median over channels* of the log
+ratio is judged: beyond ±log(variance_factor) the result is refused (both ways: x9 and 0 alike). Each running
+mean is compared with the per-channel median mean in units of that channel's median standard deviation, and
+the median over channels of |shift| beyond `mean_sigmas` refuses it. Medians over channels keep honest
+non-IID boards in: one board's few classes move some channels a lot, not all of them one way. Needs at least
+three results per tensor (with two, neither can be told from the attacker).
+
+Which methods need it: all that aggregate uploaded running statistics. HeteroFL's static BN (sBN) does not
+track them: its evaluation recomputes them on the server from calibration data (nestling/calibration.py), so
+nothing a board uploads reaches them (docs/methods-decisions.md, "BN statistics from boards").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from nestling.models.layers import is_running_variance
+from nestling.server.running_statistics import MeasuredStatistics, UploadedStatistics
+
+MIN_COHORT = 3  # results changing a tensor before it is judged
+TINY = 1e-12  # per-channel median variances at or below this are dead channels: not judged
+DEFAULT_VARIANCE_FACTOR = 4.0
+DEFAULT_MEAN_SIGMAS = 3.0
+
+
+def _mean_partner(key: str) -> str | None:
+    head, _, name = key.rpartition(".")
+    if name == "running_var" or name.startswith("running_var_w"):
+        return f"{head}.{name.replace('running_var', 'running_mean', 1)}"
+    return None
+
+
+def _rows(
+    statistics: Sequence[UploadedStatistics], measured: Sequence[MeasuredStatistics], judged: list[int]
+) -> dict[str, list[tuple[int, np.ndarray]]]:
+    """Per key: (result index, its values as float64) of the judged results that changed the tensor."""
+    by_key: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for index in judged:
+        stats, seen = statistics[index], measured[index]
+        changed = seen.changed
+        for at, (key, tensor) in enumerate(zip(stats.keys, stats.tensor_list(), strict=True)):
+            if changed is not None and not changed[at]:
+                continue
+            if key.endswith("num_batches_tracked") or not tensor.is_floating_point():
+                continue
+            by_key.setdefault(key, []).append((index, tensor.detach().reshape(-1).to(torch.float64).numpy()))
+    return by_key
+
+
+def _padded(rows: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """Rows of unequal length (channel prefixes) as one matrix, NaN where a result does not hold a channel."""
+    width = max(len(values) for _, values in rows)
+    matrix = np.full((len(rows), width), np.nan)
+    for i, (_, values) in enumerate(rows):
+        matrix[i, : len(values)] = values
+    return matrix
+
+
+def _median_over_channels(values: np.ndarray) -> np.ndarray:
+    """Per row, the median over the channels that row has a judged value for (NaN: none)."""
+    out = np.full(values.shape[0], np.nan)
+    for i, row in enumerate(values):
+        held = row[~np.isnan(row)]
+        if held.size:
+            out[i] = float(np.median(held))
+    return out
+
+
+def cohort_outliers(
+    statistics: Sequence[UploadedStatistics],
+    measured: Sequence[MeasuredStatistics],
+    variance_factor: float = DEFAULT_VARIANCE_FACTOR,
+    mean_sigmas: float = DEFAULT_MEAN_SIGMAS,
+) -> dict[int, str]:
+    """Index -> reason for results whose running variances or means sit, channel for channel, outside the
+    round's cohort (results with a problem of their own are left out)."""
+    judged = [i for i, m in enumerate(measured) if m.problem is None]
+    if len(judged) < MIN_COHORT:
+        return {}
+    by_key = _rows(statistics, measured, judged)
+    limit = math.log(variance_factor)
+    worst: dict[int, tuple[float, str]] = {}
+
+    def note(index: int, badness: float, reason: str) -> None:
+        if badness > worst.get(index, (0.0, ""))[0]:
+            worst[index] = (badness, reason)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for key, rows in by_key.items():
+            if not is_running_variance(key) or len(rows) < MIN_COHORT:
+                continue
+            variances = _padded(rows)
+            centre = np.nanmedian(variances, axis=0)
+            alive = centre > TINY
+            if not alive.any():
+                continue
+            ratios = np.log(np.maximum(variances[:, alive], 0.0) / centre[alive])
+            ratios = np.where(np.isnan(variances[:, alive]), np.nan, ratios)
+            shifts = _median_over_channels(np.clip(ratios, -1e3, 1e3))
+            for (index, _), shift in zip(rows, shifts, strict=True):
+                if math.isfinite(shift) and abs(shift) > limit:
+                    note(
+                        index,
+                        abs(shift) / limit,
+                        f"BN running variance {key} {math.exp(shift):.3g}x the round's per-channel median "
+                        f"(median over channels; allowed 1/{variance_factor:g}..{variance_factor:g})",
+                    )
+            mean_key = _mean_partner(key)
+            mean_rows = by_key.get(mean_key) if mean_key is not None else None
+            if not mean_rows or len(mean_rows) < MIN_COHORT:
+                continue
+            means = _padded(mean_rows)
+            width = min(means.shape[1], len(centre))
+            scale = np.sqrt(centre[:width])
+            usable = scale > math.sqrt(TINY)
+            if not usable.any():
+                continue
+            middle = np.nanmedian(means[:, :width], axis=0)
+            sigmas = np.abs(means[:, :width][:, usable] - middle[usable]) / scale[usable]
+            moved = _median_over_channels(np.minimum(sigmas, 1e6))
+            for (index, _), shift in zip(mean_rows, moved, strict=True):
+                if math.isfinite(shift) and shift > mean_sigmas:
+                    note(
+                        index,
+                        shift / mean_sigmas,
+                        f"BN running mean {mean_key} {shift:.3g} standard deviations from the round's per-channel "
+                        f"median (median over channels; allowed {mean_sigmas:g})",
+                    )
+    return {index: reason for index, (_, reason) in sorted(worst.items())}
