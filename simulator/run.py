@@ -100,10 +100,17 @@ def make_devices(fleet: FleetData, count: int) -> list[DeviceInfo]:
 
 
 def run_simulation(
-    cfg: SimConfig, out_dir: Path, *, resume: bool = False, on_round: Any = None, tamper: Any = None
+    cfg: SimConfig,
+    out_dir: Path,
+    *,
+    resume: bool = False,
+    on_round: Any = None,
+    tamper: Any = None,
+    hello: Any = None,
 ) -> dict[str, Any]:
     """Run (or resume) a simulation; writes metrics.jsonl, checkpoints, summary.json and accuracy.png.
-    `tamper(task, result) -> result` stands in for bad boards (benchmarks/robustness.py)."""
+    `tamper(task, result) -> result | None` (None: refused at the wire) and `hello(devices) -> devices` (what
+    the boards registered) stand in for bad boards (benchmarks/robustness.py)."""
     started = time.perf_counter()
     torch.set_num_threads(1)
     traces = load_traces(cfg.run.traces) if cfg.run.traces else None
@@ -134,7 +141,8 @@ def run_simulation(
     if traces:
         plan = (strategy.full_spec, strategy.batch_size)  # replayed boards send their trace's profile
         replay = Replay(str(cfg.run.traces), traces, devices, backend, bundle.input_shape, out_dir, plan)
-    transport = replay.transport if replay else InProcessTransport(devices, backend, tamper=tamper)
+    registered = hello(list(devices)) if hello is not None else devices
+    transport = replay.transport if replay else InProcessTransport(registered, backend, tamper=tamper)
     evaluation = {
         "batch_size": cfg.run.eval_batch,
         "calibration_samples": cfg.run.calibration_samples,
