@@ -258,6 +258,7 @@ ATTACKS: dict[str, Attack] = {
     "sample_lie_honest": Attack(lying(), hello_with(num_samples=LIE), kind="in-range"),
     "sample_lie_noise": Attack(lying(noisy), hello_with(num_samples=LIE), kind="in-range"),
     "sample_lie_label_flip": Attack(lying(), hello_with(num_samples=LIE), kind="in-range", flips=True),
+    "label_flip": Attack(None, kind="in-range", flips=True),  # its true sample count: the lie's baseline
     "noise_honest_norm": Attack(noise_honest_norm, kind="in-range"),
     "index_claim": Attack(None, hello_with(index=1), kind="in-range"),
     "hostile_hello_field": Attack(None, hello_with(tier="abc"), kind="wire"),

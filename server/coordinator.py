@@ -14,7 +14,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import median
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,10 +30,8 @@ from nestling.server.checkpoint import (
 )
 from nestling.server.clock import Clock
 from nestling.server.evaluation import EvalResult, Evaluator
-from nestling.server.influence import bound_influence
 from nestling.server.refusals import RefusalLog
-from nestling.server.running_statistics import measure as measure_statistics
-from nestling.server.running_statistics import statistics_outliers
+from nestling.server.round_screen import RoundScreen
 from nestling.server.screening import (
     RECENT_ROUNDS,
     FlatUpdate,
@@ -42,14 +39,8 @@ from nestling.server.screening import (
     RobustPolicy,
     UpdateWorkspace,
     absolute_reason,
-    clip_update,
-    direction_cosines,
-    direction_outliers,
     largest_magnitude,
-    screen_norms,
-    update_size,
 )
-from nestling.server.statistics_cohort import cohort_outliers
 from nestling.server.strategies.base import DeviceInfo, Strategy
 from nestling.server.transport import Transport
 
@@ -362,99 +353,19 @@ class Coordinator:
     def _screen_round(
         self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]
     ) -> list[tuple[Task, Result]]:
-        """Refuse updates far outside the round's distribution (their trained weights' size and direction, their
-        BN running statistics' values), then clip what remains if configured."""
-        robust = self.policy.robust
-        self._round_rms = None
-        softened: dict[str, float] = {}  # task id -> the norm its update was clipped to above
-        if robust.screen_updates and accepted:
-            accepted = self._measure_waiting(round_index, accepted, counters)
-        if robust.screen_updates and accepted:
-            accepted = list(accepted)  # soft clipping replaces entries: not in the caller's list
-            updates = [self._updates[r.task_id] for _, r in accepted]
-            sizes = [u.size for u in updates]
-            statistics = measure_statistics([u.statistics for u in updates])
-            refused = {i: m.problem for i, m in enumerate(statistics) if m.problem is not None}
-            recent = max(self._recent_rms) if self._recent_rms else None
-            too_large, bounds = screen_norms(sizes, robust, recent)
-            for index, reason in too_large.items():
-                refused.setdefault(index, reason)
-            for index, reason in statistics_outliers(statistics, robust.update_norm_factor).items():
-                refused.setdefault(index, reason)
-            in_cohort = cohort_outliers(
-                [u.statistics for u in updates], statistics, robust.bn_variance_factor, robust.bn_mean_sigmas
-            )
-            for index, reason in in_cohort.items():
-                refused.setdefault(index, reason)
-            for index, reason in sorted(refused.items()):
-                device_id = accepted[index][1].device_id
-                self.refusals.refuse(round_index, device_id, "rejected_update_norm", reason)
-                counters["rejected_update_norm"] += 1
-            for index, bound in bounds.items():
-                if index not in refused:
-                    task, result = accepted[index]
-                    accepted[index] = (task, clip_update(task, result, sizes[index].norm, bound))
-                    softened[result.task_id] = bound
-                    counters["clipped_update_norm"] += 1
-                    log.info(
-                        "round %d: %s's update (rms %.3g) clipped to %gx the round's median",
-                        round_index,
-                        result.device_id,
-                        sizes[index].rms,
-                        robust.update_norm_factor,
-                    )
-            kept = [size.rms for i, size in enumerate(sizes) if i not in refused and math.isfinite(size.rms)]
-            self._round_rms = median(kept) if kept else None
-            accepted = [pair for i, pair in enumerate(accepted) if i not in refused]
-        if robust.screen_updates and robust.min_update_cosine > -1.0 and len(accepted) >= 3:
-            cosines = direction_cosines(
-                [self._updates[r.task_id] for _, r in accepted], self._layout(), self._workspace
-            )
-            turned = direction_outliers(cosines, robust)
-            for index, reason in sorted(turned.items()):
-                device_id = accepted[index][1].device_id
-                self.refusals.refuse(round_index, device_id, "rejected_update_direction", reason)
-                counters["rejected_update_direction"] += 1
-            accepted = [pair for i, pair in enumerate(accepted) if i not in turned]
-        bounded = bound_influence(accepted, self._cohort, robust.max_sample_factor, robust.max_weight_share)
-        for _, kept, why in bounded.changed.values():
-            counters["bounded_num_samples"] += 1
-            log.info("round %d: a result's weight bounded to %d samples: %s", round_index, kept, why)
-        accepted = bounded.accepted
-        if robust.clip_update_norm is not None:
-            bound = robust.clip_update_norm
-            clipped = []
-            for task, result in accepted:
-                known = self._updates.get(result.task_id)
-                norm = softened.get(result.task_id)
-                if norm is None:
-                    norm = known.size.norm if known is not None else update_size(task, result).norm
-                if norm > bound:
-                    counters["clipped"] += 1
-                clipped.append((task, clip_update(task, result, norm, bound)))
-            accepted = clipped
+        """The round's screens, weight bounds and clipping (server/round_screen.py)."""
+        screen = RoundScreen(
+            self.policy.robust,
+            self.refusals,
+            self._workspace,
+            self._updates,
+            self._non_finite,
+            max(self._recent_rms) if self._recent_rms else None,
+            self._layout,
+            self._cohort,
+        )
+        accepted, self._round_rms = screen.run(round_index, accepted, counters)
         return accepted
-
-    def _measure_waiting(
-        self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]
-    ) -> list[tuple[Task, Result]]:
-        """Measure the updates left for the round (packed results), together; refuse the non-finite ones."""
-        waiting = [(task, result) for task, result in accepted if result.task_id not in self._updates]
-        if not waiting:
-            return accepted
-        refused: set[str] = set()
-        for (_, result), update in zip(waiting, self._workspace.flat_updates(waiting), strict=True):
-            reason = absolute_reason(update.size, self.policy.robust)
-            if reason is None:
-                self._updates[result.task_id] = update
-                continue
-            self._workspace.release(update)
-            if not math.isfinite(update.size.norm):
-                self._non_finite.add(result.device_id)
-            self.refusals.refuse(round_index, result.device_id, "rejected_update_norm", reason)
-            counters["rejected_update_norm"] += 1
-            refused.add(result.task_id)
-        return [pair for pair in accepted if pair[1].task_id not in refused]
 
     def _layout(self) -> GlobalLayout:
         """The global model's flat layout the direction screen compares nested updates in (cached per shapes)."""

@@ -56,17 +56,16 @@ def capped_weights(weights: list[float], share: float) -> list[float]:
     total = sum(weights)
     if share >= 1.0 or total <= 0 or max(weights) <= share * total:
         return list(weights)
+    if len(weights) * share <= 1.0:  # only equal weights hold it: everyone lowered to the smallest
+        return [min(weights)] * len(weights)
     ordered = sorted(weights, reverse=True)
     below = total
-    for capped in range(1, len(ordered) + 1):
+    for capped in range(1, len(ordered)):
         below -= ordered[capped - 1]  # the weights left as they are if the first `capped` are lowered to t
-        denominator = 1.0 - capped * share
-        if denominator <= 0:
-            break
-        level = share * below / denominator
-        if capped == len(ordered) or ordered[capped] <= level:
+        level = share * below / (1.0 - capped * share)  # grows without bound as capped x share nears 1
+        if capped == len(ordered) - 1 or ordered[capped] <= level:
             return [min(w, level) for w in weights]
-    return [total / len(weights)] * len(weights)  # the cap cannot hold: equal weights are as close as it gets
+    return list(weights)  # not reached: the loop ends with all but one lowered
 
 
 def bound_influence(
