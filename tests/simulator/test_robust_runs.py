@@ -167,3 +167,43 @@ def test_honest_non_iid_boards_are_never_refused(tmp_path: Path, method: str, ar
     refused = {k: v for r in records for k, v in r["counters"].items() if k.startswith("rejected")}
     assert not refused, refused
     assert all(r["aggregated"] for r in records)
+
+
+def _preset_partitions() -> list[tuple[str, dict]]:
+    """Each reproduction preset's small-scale partition: scheme, its options, clients and share a round."""
+    import tomllib
+
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[2] / "examples" / "reproduce").glob("*.toml")):
+        small = tomllib.loads(path.read_text())["scales"]["small"]
+        data = {k: v for k, v in small["data"].items() if k in ("partition", "alpha", "clients")}
+        found.append((path.stem, {**data, "fraction": small["train"]["fraction"]}))
+    return found
+
+
+@pytest.mark.parametrize("preset, partition", _preset_partitions(), ids=[p for p, _ in _preset_partitions()])
+def test_no_screen_or_bound_acts_on_honest_fedavg_boards_of_any_presets_partition(
+    tmp_path: Path, preset: str, partition: dict
+) -> None:
+    """Issue 29: the direction screen refused an honest FedAvg board of a Dirichlet(0.5) reproduction. With the
+    defaults (direction screen off, norm and BN screens, weight bounds) nothing acts on honest boards of any
+    preset's partition (its scheme, alpha, clients and share a round, on digits with tinycnn)."""
+    fraction = partition.pop("fraction")
+    cfg = config_from_dict(
+        {
+            "run": {"rounds": 3, "seed": 0, "workers": 1, "eval_every": 0, "checkpoint_every": 0},
+            "data": {"dataset": "digits", **partition},
+            "model": {"arch": "tinycnn"},
+            "method": {"name": "fedavg"},
+            "train": {"fraction": fraction, "local_epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9},
+        }
+    )
+    run_simulation(cfg, tmp_path / preset)
+    records = [json.loads(line) for line in (tmp_path / preset / "metrics.jsonl").read_text().splitlines()]
+    acted = {
+        k: v
+        for r in records
+        for k, v in r["counters"].items()
+        if v and k.startswith(("rejected_", "clipped", "bounded_", "rolled_back"))
+    }
+    assert acted == {} and all(r["aggregated"] for r in records), acted
