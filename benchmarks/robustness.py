@@ -361,12 +361,13 @@ class Recorder:
 
 
 def interleaved_overhead(
-    method: str, pairs: list[tuple[Task, Result]], repeats: int
+    method: str, pairs: list[tuple[Task, Result]], repeats: int, policy: Any = None
 ) -> tuple[float, float, float]:
     """Median seconds of (screening + guard + aggregation) and of aggregation alone on one recorded honest round,
     timed alternately `repeats` times on fresh strategies (a noisy machine slows both alike); and their ratio."""
     from statistics import median
 
+    from nestling.server.influence import bound_influence
     from nestling.server.running_statistics import measure as measure_statistics
     from nestling.server.running_statistics import statistics_outliers
     from nestling.server.screening import (
@@ -378,6 +379,7 @@ def interleaved_overhead(
         largest_magnitude,
         screen_norms,
     )
+    from nestling.server.statistics_cohort import cohort_outliers
     from nestling.server.strategies import StrategyContext, create_strategy
     from nestling.spec import SubmodelSpec
 
@@ -391,7 +393,7 @@ def interleaved_overhead(
         total_rounds=1,
         model_extra=dict(model.extra),
     )
-    policy = RobustPolicy()
+    policy = policy if policy is not None else RobustPolicy()
     round_index = pairs[0][0].round
     first = create_strategy(method, ctx)
     # The coordinator keeps the global layout (positions cached per submodel layout), its update buffers and
@@ -431,11 +433,18 @@ def interleaved_overhead(
         statistics = measure_statistics([u.statistics for u in updates])
         screen_norms(sizes, policy, recent)
         statistics_outliers(statistics, policy.update_norm_factor)
-        direction_outliers(direction_cosines(updates, layout, workspace), policy)
+        cohort_outliers(
+            [u.statistics for u in updates], statistics, policy.bn_variance_factor, policy.bn_mean_sigmas
+        )
+        if policy.min_update_cosine > -1.0:
+            direction_outliers(direction_cosines(updates, layout, workspace), policy)
+        bounded = bound_influence(
+            pairs, [r.num_samples for _, r in pairs], policy.max_sample_factor, policy.max_weight_share
+        ).accepted
         # The divergence guard: a snapshot by reference, aggregation, the largest weight after it.
         meta = strategy.state_meta()
         snapshot = (dict(strategy.state_tensors()), json.loads(json.dumps(meta)) if meta else {})
-        strategy.aggregate(round_index, pairs)
+        strategy.aggregate(round_index, bounded)
         after = largest_magnitude(strategy.global_state)
         del snapshot
         if not math.isfinite(after) or after > policy.divergence_factor * max(scale_before, 1.0):
@@ -520,7 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     finished = sum(run["finished"] for run in attacks)
     in_run = honest["aggregate_seconds"] / max(runs["honest_unscreened"]["aggregate_seconds"], 1e-9)
     last = recorder.rounds[max(recorder.rounds)]
-    screened_s, plain_s, overhead = interleaved_overhead(a.method, last, a.repeats)
+    from nestling.server.screening import robust_policy
+
+    policy = robust_policy(config(a, True).run)
+    screened_s, plain_s, overhead = interleaved_overhead(a.method, last, a.repeats, policy)
     print(
         f"one honest round of {len(last)} results, {a.repeats} interleaved timings: screening + "
         f"guard + aggregation {1e3 * screened_s:.2f} ms, aggregation alone {1e3 * plain_s:.2f} ms "
