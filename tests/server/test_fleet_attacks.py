@@ -236,24 +236,14 @@ def test_a_sign_flipped_board_is_refused_on_direction(broker):
     assert abs(float(torch.stack(shift).mean())) < 0.004
 
 
-def test_a_consistent_sample_lie_weighs_three_boards_not_the_fleet(broker):
+def test_a_consistent_sample_lie_weighs_three_boards_not_the_fleet(broker, caplog):
     """Hello and every result claim 10**9 samples (issue 25: it took FedAvg over). Nothing is refused (the result
     matches its hello), but the claim counts at most 3 x the fleet's median registered count (100) and at most
-    half of a round of four (whose honest results say 10 samples each): the model is bit for bit the one a
-    board truly claiming 300 gives, and the liar's weight is that of 30 samples (30 of 60)."""
-    lie = run_fleet(
-        broker, "lie", rounds=1, behaviours={0: lying_samples}, boards=4, hello_samples={0: 10**9}
-    )
+    half of a round of four (whose honest results say 10 samples each): the liar weighs 30 samples of 60."""
+    with caplog.at_level("INFO", logger="nestling.coordinator"):
+        lie = run_fleet(
+            broker, "lie", rounds=1, behaviours={0: lying_samples}, boards=4, hello_samples={0: 10**9}
+        )
     (record,) = lie.records
     assert record.counters.get("bounded_num_samples") == 1 and record.accepted == 4 and record.aggregated
-
-    def three_hundred(task, board):
-        result = honest(task, board)
-        result.num_samples = 300
-        return result
-
-    truthful = run_fleet(
-        broker, "truth", rounds=1, behaviours={0: three_hundred}, boards=4, hello_samples={0: 300}
-    )
-    assert truthful.records[0].counters.get("bounded_num_samples") == 1  # over half the round: 30 as well
-    assert all(torch.equal(lie.state[k], truthful.state[k]) for k in lie.state)
+    assert "weight bounded to 30 samples: claims 1000000000 samples" in caplog.text
