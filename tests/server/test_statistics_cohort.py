@@ -75,3 +75,29 @@ def test_tensors_a_board_left_as_sent_are_not_compared() -> None:
     boards = [board(i) for i in range(4)] + [dict(sent), dict(sent)]
     uploads = [UploadedStatistics(tuple(b), tuple(b.values()), sent=tuple(sent.values())) for b in boards]
     assert cohort_outliers(uploads, measure(uploads)) == {}
+
+
+def test_the_one_layout_path_measures_as_the_key_by_key_path() -> None:
+    """The usual round (one layout, all changed) is measured for all keys at once; it agrees with key by key."""
+    from nestling.server.statistics_cohort import _fast_shifts, _rows, _slow_shifts
+
+    boards = [board(i) for i in range(8)]
+    for b in boards:
+        b["conv.running_mean"], b["conv.running_var"] = (
+            b["bn.running_mean"][:5] * 2,
+            b["bn.running_var"][:5] + 1,
+        )
+    boards[2]["bn.running_var"] = boards[2]["bn.running_var"] * 9
+    boards[5]["conv.running_mean"] = boards[5]["conv.running_mean"] + 8 * boards[5]["conv.running_var"].sqrt()
+    uploads = [UploadedStatistics(tuple(b), tuple(b.values())) for b in boards]
+    measured, judged = measure(uploads), list(range(8))
+    fast, slow = _fast_shifts(measured, judged), _slow_shifts(_rows(uploads, measured, judged))
+    assert fast is not None and [f[0] for f in fast] == [s[0] for s in slow] == [
+        "bn.running_var",
+        "conv.running_var",
+    ]
+    for f, s in zip(fast, slow, strict=True):
+        assert f[1] == s[1] and f[3] == s[3] and f[4] == s[4]
+        assert torch.allclose(torch.from_numpy(f[2]), torch.from_numpy(s[2])), (f[2], s[2])
+        assert torch.allclose(torch.from_numpy(f[5]), torch.from_numpy(s[5])), (f[5], s[5])
+    assert list(cohort_outliers(uploads, measured)) == [2, 5]

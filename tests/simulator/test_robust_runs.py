@@ -95,7 +95,7 @@ def test_every_methods_honest_run_refuses_nothing_and_is_bit_identical_with_scre
 
 
 def test_a_huge_valued_board_is_refused_in_the_simulator(tmp_path: Path) -> None:
-    summary = run_simulation(tiny(), tmp_path / "huge", tamper=ATTACKS["huge_values"])
+    summary = run_simulation(tiny(), tmp_path / "huge", tamper=ATTACKS["huge_values"].tamper)
     weights = final_weights(tmp_path / "huge")
     assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.is_floating_point())
     assert summary["quarantined"] == []
@@ -104,7 +104,7 @@ def test_a_huge_valued_board_is_refused_in_the_simulator(tmp_path: Path) -> None
 def test_a_board_inflating_bn_running_variances_is_refused(tmp_path: Path) -> None:
     """Honest weights, every running variance × 10^4: the update's norm over trained weights is honest, the
     statistics screen refuses it, and the model's variances stay where the honest boards put them."""
-    run_simulation(tiny(rounds=2), tmp_path / "attacked", tamper=ATTACKS["inflated_bn_variance"])
+    run_simulation(tiny(rounds=2), tmp_path / "attacked", tamper=ATTACKS["inflated_bn_variance"].tamper)
     run_simulation(tiny(rounds=2), tmp_path / "honest")
     records = [
         json.loads(line) for line in (tmp_path / "attacked" / "metrics.jsonl").read_text().splitlines()
@@ -116,12 +116,22 @@ def test_a_board_inflating_bn_running_variances_is_refused(tmp_path: Path) -> No
             assert float(value.max()) < 10 * float(honest[key].max()), key
 
 
+@pytest.mark.parametrize("attack", ["bn_variance_x9", "bn_variance_zero", "bn_mean_8_sigma"])
+def test_in_range_bn_poisoning_is_refused_every_round(tmp_path: Path, attack: str) -> None:
+    """Issue 25: inside the x10 screen (variances x9, 0; means +8 sigma) with honest weights, against 3 honest
+    boards: refused every round by the cohort screen, named."""
+    run_simulation(tiny(rounds=2), tmp_path, tamper=ATTACKS[attack].tamper)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["counters"].get("rejected_update_norm", 0) for r in records] == [1, 1]
+    assert all(r["aggregated"] and r["accepted"] == 3 for r in records)
+
+
 @pytest.mark.parametrize("attack", ["huge_values", "inflated_bn_variance", "sign_flipped"])
 def test_with_quorum_one_a_refused_board_does_not_cost_the_round(tmp_path: Path, attack: str) -> None:
     """The quorum counts results that arrived valid: one refused update (an attacker's, or an honest outlier
     the direction screen refuses) leaves the round to the others instead of abandoning it."""
     direction = {"min_update_cosine": 0.0} if attack == "sign_flipped" else {}  # opt-in (issue 29)
-    run_simulation(tiny(quorum=1.0, rounds=3, **direction), tmp_path, tamper=ATTACKS[attack])
+    run_simulation(tiny(quorum=1.0, rounds=3, **direction), tmp_path, tamper=ATTACKS[attack].tamper)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     refused = {"sign_flipped": "rejected_update_direction"}.get(attack, "rejected_update_norm")
     assert all(r["aggregated"] and r["accepted"] == 4 - r["counters"].get(refused, 0) for r in records)
@@ -135,7 +145,7 @@ def test_robust_rules_aggregate_every_nested_strategy(tmp_path: Path, method: st
     run_simulation(
         tiny(method, aggregation=rule, rounds=1, eval_every=1),
         tmp_path / rule,
-        tamper=ATTACKS["sign_flipped"],
+        tamper=ATTACKS["sign_flipped"].tamper,
     )
     weights = final_weights(tmp_path / rule)
     assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.is_floating_point())
