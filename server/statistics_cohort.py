@@ -111,6 +111,7 @@ def _fast_shifts(measured: Sequence[MeasuredStatistics], judged: list[int]) -> S
     first = measured[judged[0]]
     if first.values is None or first.bounds is None:
         return None
+    rows: list[np.ndarray] = []
     for index in judged:
         seen = measured[index]
         if (
@@ -120,6 +121,7 @@ def _fast_shifts(measured: Sequence[MeasuredStatistics], judged: list[int]) -> S
             or (seen.changed is not None and not all(seen.changed))
         ):
             return None
+        rows.append(seen.values)
     where = dict(zip(first.keys, first.bounds, strict=True))
     pairs = [
         (key, _mean_partner(key))
@@ -128,7 +130,7 @@ def _fast_shifts(measured: Sequence[MeasuredStatistics], judged: list[int]) -> S
     ]
     if not pairs:
         return []
-    matrix = np.stack([measured[i].values for i in judged]).astype(np.float64)
+    matrix = np.stack(rows).astype(np.float64)
     if np.isnan(matrix).any():
         return None
     columns = [np.arange(*where[key]) for key, _ in pairs]
