@@ -1,13 +1,20 @@
-"""Robustness: one bad board among 10 against an honest run (issue 16).
+"""Robustness: one bad board among 10 against an honest run (issues 16 and 25).
 
-Digits, 10 boards, every board every round, the same seed and rounds for every run. Each attack run
-has board 0 send, every round instead of its trained result: huge finite values (3.0e38), its update
-scaled x100, its update sign-flipped, or all-zero weights claiming 10**9 samples. Two honest runs,
-with screening (the default) and without (screen_updates and divergence_guard off), time the
-coordinator's screening + aggregation side by side. The simulator's in-process transport carries
-the results: screening lives in the coordinator, which every transport (MQTT included) goes through.
+Digits, 10 boards, every board every round, the same seed and rounds for every run; one attacker (board 0)
+per run. The extreme attacks of issue 16 (every round instead of its trained result: huge finite values 3.0e38,
+its update x100, its update sign-flipped, all-zero weights claiming 10**9 samples, BN running variances x10^4)
+and the in-range ones of issue 25: BN running variances x9, 0 or 1e-30, running means +8 standard deviations
+(honest weights); a consistent sample-count lie (10**9 in the hello and in every result) with honest weights,
+with noise and with label-flipped training; noise of its honest update's norm; a hello claiming another
+board's index; a hostile hello field; a hostile result metric. Hellos go through the server's hello decoding
+and registry (server/registry.py) and hostile results through the wire codec, as on a fleet; the rest through
+the simulator's in-process transport (screening lives in the coordinator, which every transport goes through).
+A client-id takeover needs a broker (tests/server/test_fleet_attacks.py and the broker-config tests).
 
-Last line: `worst_acc_drop=<points> runs_finished=K/N honest_overhead=<with/without>`.
+Two honest runs, with screening (the default) and without (screen_updates and divergence_guard off), time the
+coordinator's screening + aggregation side by side. A run that raises is a crash (the server would have exited).
+
+Last line: `attacks=N crashes=C worst_acc_drop=<points> runs_finished=K/N honest_overhead=<with/without>`.
 """
 
 from __future__ import annotations
@@ -19,16 +26,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nestling.messages import Result, Task
+from nestling.server.strategies.base import DeviceInfo
 
-Tamper = Callable[[Task, Result], Result]
+Tamper = Callable[[Task, Result], Result | None]
+Hello = Callable[[list[DeviceInfo]], list[DeviceInfo]]
 ATTACKER = "dev-00000"
+LIE = 10**9
 
 
 def _update(
@@ -59,25 +69,200 @@ def inflated(task: Task, result: Result) -> Result:
     if result.device_id != ATTACKER:
         return result
     zeroed = _update(task, result, lambda base, trained: torch.zeros_like(trained))
-    return replace(zeroed, num_samples=10**9)
+    return replace(zeroed, num_samples=LIE)
 
 
-def inflated_bn_variance(task: Task, result: Result) -> Result:
-    """Honest weights; every BN running variance × 10^4 (finite): wrecks every model evaluated with them."""
+def _statistics(result: Result, change: Callable[[str, torch.Tensor, dict], torch.Tensor]) -> Result:
+    """The attacker's result with its BN running statistics changed (honest weights otherwise)."""
     if result.device_id != ATTACKER:
         return result
-    weights = {
-        k: v * 1.0e4 if k.rsplit(".", 1)[-1] == "running_var" else v for k, v in result.weights.items()
-    }
+    weights = dict(result.weights)
+    return replace(result, weights={k: change(k, v, weights) for k, v in weights.items()})
+
+
+def _is_variance(key: str) -> bool:
+    name = key.rsplit(".", 1)[-1]
+    return name == "running_var" or name.startswith("running_var_w")
+
+
+def _is_mean(key: str) -> bool:
+    name = key.rsplit(".", 1)[-1]
+    return name == "running_mean" or name.startswith("running_mean_w")
+
+
+def variances_times(factor: float) -> Tamper:
+    """Every BN running variance x factor (finite: x10^4 is issue 16's, x9 stays under its x10 screen)."""
+
+    def attack(task: Task, result: Result) -> Result:
+        return _statistics(result, lambda k, v, _: v * factor if _is_variance(k) else v)
+
+    return attack
+
+
+def variances_set(value: float) -> Tamper:
+    """Every BN running variance set to `value` (0 or 1e-30: every normalised activation blows up)."""
+
+    def attack(task: Task, result: Result) -> Result:
+        return _statistics(result, lambda k, v, _: torch.full_like(v, value) if _is_variance(k) else v)
+
+    return attack
+
+
+def means_shifted(task: Task, result: Result) -> Result:
+    """Every BN running mean moved by 8 of its channel's standard deviations."""
+
+    def change(key: str, value: torch.Tensor, weights: dict) -> torch.Tensor:
+        variance = weights.get(key.replace("running_mean", "running_var")) if _is_mean(key) else None
+        return value + 8.0 * variance.clamp_min(0).sqrt() if variance is not None else value
+
+    return _statistics(result, change)
+
+
+def _noise(task: Task, result: Result, times: float) -> Result:
+    """The attacker's trained tensors replaced by Gaussian noise of `times` its honest update's L2 norm."""
+    from nestling.models.layers import is_running_statistic
+
+    if result.device_id != ATTACKER:
+        return result
+    keys = [k for k, v in result.weights.items() if v.is_floating_point() and not is_running_statistic(k)]
+    honest = math.sqrt(sum(float((result.weights[k] - task.weights[k]).double().pow(2).sum()) for k in keys))
+    generator = torch.Generator().manual_seed(task.round)
+    noise = {k: torch.randn(result.weights[k].shape, generator=generator) for k in keys}
+    size = math.sqrt(sum(float(n.double().pow(2).sum()) for n in noise.values()))
+    weights = dict(result.weights)
+    for k in keys:
+        weights[k] = task.weights[k] + noise[k] * (times * honest / max(size, 1e-12))
     return replace(result, weights=weights)
 
 
-ATTACKS: dict[str, Tamper] = {
-    "huge_values": huge,
-    "scaled_x100": scaled,
-    "sign_flipped": sign_flipped,
-    "inflated_num_samples": inflated,
-    "inflated_bn_variance": inflated_bn_variance,
+def noise_honest_norm(task: Task, result: Result) -> Result:
+    return _noise(task, result, 1.0)
+
+
+def lying(tamper: Tamper | None = None) -> Tamper:
+    """Every result claims 10**9 samples (its hello did too, see `lying_hello`), after `tamper`."""
+
+    def attack(task: Task, result: Result) -> Result | None:
+        changed = tamper(task, result) if tamper is not None else result
+        if changed is None or changed.device_id != ATTACKER:
+            return changed
+        return replace(changed, num_samples=LIE)
+
+    return attack
+
+
+def noisy(task: Task, result: Result) -> Result:
+    """Noise 5x its honest update's norm: under the x10 norm screen."""
+    return _noise(task, result, 5.0)
+
+
+class LabelFlipped:
+    """The attacker's result trained on its own data with every label c turned into 9 - c (the run's task,
+    its own store), in place of what it trained honestly."""
+
+    def __init__(self, cfg: Any) -> None:
+        from nestling.simulator.batched import BatchPolicy
+        from nestling.simulator.fleetdata import load_fleet_data
+        from nestling.simulator.run import fleet_args
+
+        self.fleet = load_fleet_data(**fleet_args(cfg))
+        self.policy = BatchPolicy()
+        self.stores: dict = {}
+
+    def _data(self, device: str) -> Any:
+        data = self.fleet.client(device)
+        return replace(data, y=(self.fleet.bundle.num_classes - 1) - data.y)
+
+    def __call__(self, task: Task, result: Result) -> Result:
+        from nestling.simulator.batched import run_tasks
+
+        if result.device_id != ATTACKER:
+            return result
+        (flipped,) = run_tasks([task], self._data, self.stores, "cpu", self.policy)
+        return replace(flipped, num_samples=result.num_samples)
+
+
+def _register(devices: list[DeviceInfo], profiles: dict[str, dict[str, Any]]) -> list[DeviceInfo]:
+    """The boards as the server registers them from hellos (attacker first: it says hello first), each hello
+    encoded and decoded by the wire codec and admitted by server/registry.py. A refused hello leaves its board
+    out of the fleet. The partition's label sets are kept (the server's view of what each board holds)."""
+    from nestling.errors import NestlingError
+    from nestling.server.registry import DeviceRegistry
+    from nestling.wire.fleet_messages import decode_hello, encode_hello
+
+    registry = DeviceRegistry()
+    registered = []
+    for device in sorted(devices, key=lambda d: d.device_id != ATTACKER):
+        profile = profiles.get(device.device_id, {"num_samples": device.num_samples, "index": device.index})
+        try:
+            device_id, decoded = decode_hello(encode_hello(device.device_id, profile))
+            info = registry.register(device_id, decoded, 0.0)
+        except (NestlingError, ValueError, TypeError) as exc:
+            print(f"  hello of {device.device_id} refused: {exc}")
+            continue
+        if device.device_id == ATTACKER:  # honest boards keep what the simulator gives them
+            device = replace(device, num_samples=info.num_samples, profile=info.profile)
+        registered.append(replace(device, index=info.index))
+    return sorted(registered, key=lambda d: d.device_id)
+
+
+def hello_with(**fields: Any) -> Hello:
+    """The attacker's hello carries these fields beside its honest sample count and index."""
+
+    def hello(devices: list[DeviceInfo]) -> list[DeviceInfo]:
+        attacker = next(d for d in devices if d.device_id == ATTACKER)
+        profile = {"num_samples": attacker.num_samples, "index": attacker.index, **fields}
+        return _register(devices, {ATTACKER: profile})
+
+    return hello
+
+
+def hostile_metric(task: Task, result: Result) -> Result | None:
+    """A result whose metrics say train_seconds "fast" and loss_mean "low", through the wire codec as a
+    fleet's would come (None: the server's decoding refused it)."""
+    from nestling.errors import NestlingError
+    from nestling.wire.codec import decode_message
+    from nestling.wire.fleet_messages import decode_result, encode_result
+
+    if result.device_id != ATTACKER:
+        return result
+    hostile = replace(result, metrics={**result.metrics, "train_seconds": "fast", "loss_mean": "low"})
+    try:
+        decoded, _ = decode_result(decode_message(encode_result(hostile, "session")))
+    except NestlingError:
+        return None
+    return decoded
+
+
+@dataclass(frozen=True)
+class Attack:
+    """What the attacker sends: `tamper` for its results, `hello` for its registration; `flips` trains it on
+    flipped labels (a LabelFlipped, built per run), and `tamper_after` is applied to that result."""
+
+    tamper: Tamper | None = None
+    hello: Hello | None = None
+    kind: str = "extreme"
+    flips: bool = False
+
+
+ATTACKS: dict[str, Attack] = {
+    "huge_values": Attack(huge),
+    "scaled_x100": Attack(scaled),
+    "sign_flipped": Attack(sign_flipped),
+    "inflated_num_samples": Attack(inflated),
+    "inflated_bn_variance": Attack(variances_times(1.0e4)),
+    "bn_variance_x9": Attack(variances_times(9.0), kind="in-range"),
+    "bn_variance_zero": Attack(variances_set(0.0), kind="in-range"),
+    "bn_variance_1e-30": Attack(variances_set(1e-30), kind="in-range"),
+    "bn_mean_8_sigma": Attack(means_shifted, kind="in-range"),
+    "sample_lie_honest": Attack(lying(), hello_with(num_samples=LIE), kind="in-range"),
+    "sample_lie_noise": Attack(lying(noisy), hello_with(num_samples=LIE), kind="in-range"),
+    "sample_lie_label_flip": Attack(lying(), hello_with(num_samples=LIE), kind="in-range", flips=True),
+    "label_flip": Attack(None, kind="in-range", flips=True),  # its true sample count: the lie's baseline
+    "noise_honest_norm": Attack(noise_honest_norm, kind="in-range"),
+    "index_claim": Attack(None, hello_with(index=1), kind="in-range"),
+    "hostile_hello_field": Attack(None, hello_with(tier="abc"), kind="wire"),
+    "hostile_result_metric": Attack(hostile_metric, kind="wire"),
 }
 
 
@@ -114,21 +299,57 @@ def config(a: argparse.Namespace, screening: bool) -> Any:
 
 
 def one_run(
-    a: argparse.Namespace, work: Path, name: str, tamper: Tamper | None, screening: bool = True
+    a: argparse.Namespace,
+    work: Path,
+    name: str,
+    attack: Attack | None,
+    screening: bool = True,
+    recorder: Tamper | None = None,
 ) -> dict:
+    """One run; an exception is a crash (the server would have exited), reported, not raised."""
     from nestling.simulator.run import run_simulation
 
-    summary = run_simulation(config(a, screening), work / name, tamper=tamper, overwrite=True)
+    cfg = config(a, screening)
+    tamper = recorder
+    if attack is not None:
+        tamper = attack.tamper
+        if attack.flips:
+            flipped, after = LabelFlipped(cfg), attack.tamper
+
+            def tamper(task: Task, result: Result) -> Result | None:
+                trained = flipped(task, result)
+                return after(task, trained) if after is not None else trained
+
+    try:
+        summary = run_simulation(
+            cfg,
+            work / name,
+            tamper=tamper,
+            hello=attack.hello if attack is not None else None,
+            overwrite=True,
+        )
+    except Exception as exc:  # the benchmark counts what a server would die of
+        return {
+            "name": name,
+            "accuracy": None,
+            "finished": False,
+            "crash": f"{type(exc).__name__}: {str(exc)[:120]}",
+            "aggregate_seconds": 0.0,
+            "quarantined": [],
+            "refused": 0,
+            "bounded": 0,
+        }
     metrics = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines() if line]
+    counters = [m["counters"] for m in metrics]
     return {
         "name": name,
         "accuracy": summary["worst_accuracy"],
         "finished": len(metrics) == a.rounds,
+        "crash": None,
         "aggregate_seconds": summary["aggregate_seconds"],
         "quarantined": summary["quarantined"],
-        "refused": sum(
-            sum(v for k, v in m["counters"].items() if k.startswith("rejected_")) for m in metrics
-        ),
+        "refused": sum(sum(v for k, v in c.items() if k.startswith("rejected_")) for c in counters),
+        "bounded": sum(c.get("bounded_num_samples", 0) for c in counters),
     }
 
 
@@ -144,12 +365,13 @@ class Recorder:
 
 
 def interleaved_overhead(
-    method: str, pairs: list[tuple[Task, Result]], repeats: int
+    method: str, pairs: list[tuple[Task, Result]], repeats: int, policy: Any = None
 ) -> tuple[float, float, float]:
     """Median seconds of (screening + guard + aggregation) and of aggregation alone on one recorded honest round,
     timed alternately `repeats` times on fresh strategies (a noisy machine slows both alike); and their ratio."""
     from statistics import median
 
+    from nestling.server.influence import bound_influence
     from nestling.server.running_statistics import measure as measure_statistics
     from nestling.server.running_statistics import statistics_outliers
     from nestling.server.screening import (
@@ -161,6 +383,7 @@ def interleaved_overhead(
         largest_magnitude,
         screen_norms,
     )
+    from nestling.server.statistics_cohort import cohort_outliers
     from nestling.server.strategies import StrategyContext, create_strategy
     from nestling.spec import SubmodelSpec
 
@@ -174,7 +397,7 @@ def interleaved_overhead(
         total_rounds=1,
         model_extra=dict(model.extra),
     )
-    policy = RobustPolicy()
+    policy = policy if policy is not None else RobustPolicy()
     round_index = pairs[0][0].round
     first = create_strategy(method, ctx)
     # The coordinator keeps the global layout (positions cached per submodel layout), its update buffers and
@@ -214,11 +437,18 @@ def interleaved_overhead(
         statistics = measure_statistics([u.statistics for u in updates])
         screen_norms(sizes, policy, recent)
         statistics_outliers(statistics, policy.update_norm_factor)
-        direction_outliers(direction_cosines(updates, layout, workspace), policy)
+        cohort_outliers(
+            [u.statistics for u in updates], statistics, policy.bn_variance_factor, policy.bn_mean_sigmas
+        )
+        if policy.min_update_cosine > -1.0:
+            direction_outliers(direction_cosines(updates, layout, workspace), policy)
+        bounded = bound_influence(
+            pairs, [r.num_samples for _, r in pairs], policy.max_sample_factor, policy.max_weight_share
+        ).accepted
         # The divergence guard: a snapshot by reference, aggregation, the largest weight after it.
         meta = strategy.state_meta()
         snapshot = (dict(strategy.state_tensors()), json.loads(json.dumps(meta)) if meta else {})
-        strategy.aggregate(round_index, pairs)
+        strategy.aggregate(round_index, bounded)
         after = largest_magnitude(strategy.global_state)
         del snapshot
         if not math.isfinite(after) or after > policy.divergence_factor * max(scale_before, 1.0):
@@ -259,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
         help="[run] min_update_cosine (default: the run default)",
     )
     parser.add_argument("--quick", action="store_true", help="3 rounds: a smoke check, not a measurement")
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(ATTACKS), help="run these attacks only (default: all)"
+    )
     a = parser.parse_args(argv)
     if a.quick:
         a.rounds = 3
@@ -268,33 +501,42 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
 
     recorder = Recorder()
-    plan: list[tuple[str, Tamper | None, bool]] = [
-        ("honest", recorder, True),
-        ("honest_unscreened", None, False),
-    ]
-    plan += [(name, attack, True) for name, attack in ATTACKS.items()]
+    plan: list[tuple[str, Attack | None, bool]] = [("honest", None, True), ("honest_unscreened", None, False)]
+    chosen = [name for name in ATTACKS if not a.only or name in a.only]
+    plan += [(name, ATTACKS[name], True) for name in chosen]
     runs: dict[str, dict] = {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
         bar = progress.add_task("robustness runs", total=len(plan))
-        for name, tamper, screening in plan:
+        for name, attack, screening in plan:
             progress.update(bar, description=name)
-            runs[name] = one_run(a, Path(tmp), name, tamper, screening)
+            runs[name] = one_run(
+                a, Path(tmp), name, attack, screening, recorder if name == "honest" else None
+            )
             progress.advance(bar)
     honest = runs["honest"]
-    attacks = [runs[name] for name in ATTACKS]
+    attacks = [runs[name] for name in chosen]
     for run in runs.values():
+        kind = ATTACKS[run["name"]].kind if run["name"] in ATTACKS else "honest"
+        if run["crash"]:
+            print(f"{run['name']:<22} {kind:<8} CRASHED  {run['crash']}")
+            continue
         drop = 100 * (honest["accuracy"] - run["accuracy"])
         print(
-            f"{run['name']:<22} accuracy {100 * run['accuracy']:6.2f}%  drop {drop:+6.2f} pts  "
-            f"finished {run['finished']}  refused {run['refused']:3d}  aggregate {run['aggregate_seconds']:.3f}s"
-            f"  quarantined {run['quarantined']}"
+            f"{run['name']:<22} {kind:<8} accuracy {100 * run['accuracy']:6.2f}%  drop {drop:+6.2f} pts  "
+            f"finished {run['finished']}  refused {run['refused']:3d}  bounded {run['bounded']:3d}  "
+            f"aggregate {run['aggregate_seconds']:.3f}s  quarantined {run['quarantined']}"
         )
-    worst_drop = max(100 * (honest["accuracy"] - run["accuracy"]) for run in attacks)
+    crashes = sum(run["crash"] is not None for run in attacks)
+    drops = [100 * (honest["accuracy"] - run["accuracy"]) for run in attacks if run["crash"] is None]
+    worst_drop = max(drops) if drops else math.nan
     finished = sum(run["finished"] for run in attacks)
     in_run = honest["aggregate_seconds"] / max(runs["honest_unscreened"]["aggregate_seconds"], 1e-9)
     last = recorder.rounds[max(recorder.rounds)]
-    screened_s, plain_s, overhead = interleaved_overhead(a.method, last, a.repeats)
+    from nestling.server.screening import robust_policy
+
+    policy = robust_policy(config(a, True).run)
+    screened_s, plain_s, overhead = interleaved_overhead(a.method, last, a.repeats, policy)
     print(
         f"one honest round of {len(last)} results, {a.repeats} interleaved timings: screening + "
         f"guard + aggregation {1e3 * screened_s:.2f} ms, aggregation alone {1e3 * plain_s:.2f} ms "
@@ -305,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         f"honest screened == unscreened accuracy: {honest['accuracy'] == runs['honest_unscreened']['accuracy']}"
     )
     print(
-        f"worst_acc_drop={worst_drop:.2f} runs_finished={finished}/{len(attacks)} honest_overhead={overhead:.2f}"
+        f"attacks={len(attacks)} crashes={crashes} worst_acc_drop={worst_drop:.2f} "
+        f"runs_finished={finished}/{len(attacks)} honest_overhead={overhead:.2f}"
     )
     return 0
 

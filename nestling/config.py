@@ -110,8 +110,16 @@ class RunSection:
     divergence_factor: float = 1000.0
     quarantine_rounds: int = 3  # rounds the devices of a rolled-back round are not selected
     # refuse an update whose cosine with the mean of the round's other updates is below this and an outlier
-    # among the round's cosines (server/screening.py; -1: off)
-    min_update_cosine: float = 0.0
+    # among the round's cosines (server/screening.py). -1 (the default): off, honest non-IID boards can point
+    # against the others (issue 29); 0 suits IID fleets.
+    min_update_cosine: float = -1.0
+    # Bounded influence (server/influence.py): a result counts at most max_sample_factor x the fleet's median
+    # registered sample count, and weighs at most max_weight_share of its round (0: no bound).
+    max_sample_factor: float = 3.0
+    max_weight_share: float = 0.3
+    # BN running statistics against the cohort, channel by channel (server/statistics_cohort.py)
+    bn_variance_factor: float = 4.0
+    bn_mean_sigmas: float = 3.0
 
 
 BACKENDS = ("auto", "inprocess", "pool", "ray")
@@ -174,6 +182,13 @@ class SimConfig:
             ),
             (self.run.divergence_factor > 1, "[run] divergence_factor must be > 1"),
             (self.run.quarantine_rounds >= 0, "[run] quarantine_rounds must be >= 0"),
+            (
+                self.run.max_sample_factor == 0 or self.run.max_sample_factor >= 1,
+                "[run] max_sample_factor must be >= 1 (0: off)",
+            ),
+            (0.0 <= self.run.max_weight_share <= 1.0, "[run] max_weight_share must be in [0, 1] (0: off)"),
+            (self.run.bn_variance_factor > 1, "[run] bn_variance_factor must be > 1"),
+            (self.run.bn_mean_sigmas > 0, "[run] bn_mean_sigmas must be > 0"),
         ]
         for ok, message in checks:
             if not ok:

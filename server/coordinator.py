@@ -14,7 +14,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import median
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,8 +38,7 @@ from nestling.server.checkpoint import (
 from nestling.server.clock import Clock
 from nestling.server.evaluation import EvalResult, Evaluator
 from nestling.server.refusals import RefusalLog
-from nestling.server.running_statistics import measure as measure_statistics
-from nestling.server.running_statistics import statistics_outliers
+from nestling.server.round_screen import RoundScreen
 from nestling.server.screening import (
     RECENT_ROUNDS,
     FlatUpdate,
@@ -48,12 +46,7 @@ from nestling.server.screening import (
     RobustPolicy,
     UpdateWorkspace,
     absolute_reason,
-    clip_update,
-    direction_cosines,
-    direction_outliers,
     largest_magnitude,
-    screen_norms,
-    update_size,
 )
 from nestling.server.strategies.base import DeviceInfo, Strategy
 from nestling.server.transport import Transport
@@ -159,6 +152,7 @@ class Coordinator:
         self.quarantine_log: list[dict[str, Any]] = []  # every quarantine, for the run's summary
         self.aggregate_seconds = 0.0  # screening + aggregation + divergence guard, the robustness overhead
         self._registered: dict[str, DeviceInfo] = {}
+        self._cohort: list[int] = []  # the sample counts the round's available devices registered
         self._updates: dict[str, FlatUpdate] = {}  # task id -> its flat update, for this round's screening
         self._refused_tasks: set[str] = set()  # this round's tasks whose result arrived and was refused
         self._global_layout: GlobalLayout | None = None
@@ -192,6 +186,7 @@ class Coordinator:
             d for d in self.transport.devices() if self.quarantine.get(d.device_id, -1) <= round_index
         ]
         selected = self.select(round_index, available)
+        self._cohort = [d.num_samples for d in available]
         self._registered = {d.device_id: d for d in selected}
         self._updates, self._judged, self._non_finite = {}, set(), set()
         self._refused_tasks = set()
@@ -373,89 +368,19 @@ class Coordinator:
     def _screen_round(
         self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]
     ) -> list[tuple[Task, Result]]:
-        """Refuse updates far outside the round's distribution (their trained weights' size and direction, their
-        BN running statistics' values), then clip what remains if configured."""
-        robust = self.policy.robust
-        self._round_rms = None
-        softened: dict[str, float] = {}  # task id -> the norm its update was clipped to above
-        if robust.screen_updates and accepted:
-            accepted = self._measure_waiting(round_index, accepted, counters)
-        if robust.screen_updates and accepted:
-            accepted = list(accepted)  # soft clipping replaces entries: not in the caller's list
-            updates = [self._updates[r.task_id] for _, r in accepted]
-            sizes = [u.size for u in updates]
-            statistics = measure_statistics([u.statistics for u in updates])
-            refused = {i: m.problem for i, m in enumerate(statistics) if m.problem is not None}
-            recent = max(self._recent_rms) if self._recent_rms else None
-            too_large, bounds = screen_norms(sizes, robust, recent)
-            for index, reason in too_large.items():
-                refused.setdefault(index, reason)
-            for index, reason in statistics_outliers(statistics, robust.update_norm_factor).items():
-                refused.setdefault(index, reason)
-            for index, reason in sorted(refused.items()):
-                device_id = accepted[index][1].device_id
-                self.refusals.refuse(round_index, device_id, "rejected_update_norm", reason)
-                counters["rejected_update_norm"] += 1
-            for index, bound in bounds.items():
-                if index not in refused:
-                    task, result = accepted[index]
-                    accepted[index] = (task, clip_update(task, result, sizes[index].norm, bound))
-                    softened[result.task_id] = bound
-                    counters["clipped_update_norm"] += 1
-                    log.info(
-                        "round %d: %s's update (rms %.3g) clipped to %gx the round's median",
-                        round_index,
-                        result.device_id,
-                        sizes[index].rms,
-                        robust.update_norm_factor,
-                    )
-            kept = [size.rms for i, size in enumerate(sizes) if i not in refused and math.isfinite(size.rms)]
-            self._round_rms = median(kept) if kept else None
-            accepted = [pair for i, pair in enumerate(accepted) if i not in refused]
-        if robust.screen_updates and robust.min_update_cosine > -1.0 and len(accepted) >= 3:
-            cosines = direction_cosines(
-                [self._updates[r.task_id] for _, r in accepted], self._layout(), self._workspace
-            )
-            turned = direction_outliers(cosines, robust)
-            for index, reason in sorted(turned.items()):
-                device_id = accepted[index][1].device_id
-                self.refusals.refuse(round_index, device_id, "rejected_update_direction", reason)
-                counters["rejected_update_direction"] += 1
-            accepted = [pair for i, pair in enumerate(accepted) if i not in turned]
-        if robust.clip_update_norm is not None:
-            bound = robust.clip_update_norm
-            clipped = []
-            for task, result in accepted:
-                known = self._updates.get(result.task_id)
-                norm = softened.get(result.task_id)
-                if norm is None:
-                    norm = known.size.norm if known is not None else update_size(task, result).norm
-                if norm > bound:
-                    counters["clipped"] += 1
-                clipped.append((task, clip_update(task, result, norm, bound)))
-            accepted = clipped
+        """The round's screens, weight bounds and clipping (server/round_screen.py)."""
+        screen = RoundScreen(
+            self.policy.robust,
+            self.refusals,
+            self._workspace,
+            self._updates,
+            self._non_finite,
+            max(self._recent_rms) if self._recent_rms else None,
+            self._layout,
+            self._cohort,
+        )
+        accepted, self._round_rms = screen.run(round_index, accepted, counters)
         return accepted
-
-    def _measure_waiting(
-        self, round_index: int, accepted: list[tuple[Task, Result]], counters: Counter[str]
-    ) -> list[tuple[Task, Result]]:
-        """Measure the updates left for the round (packed results), together; refuse the non-finite ones."""
-        waiting = [(task, result) for task, result in accepted if result.task_id not in self._updates]
-        if not waiting:
-            return accepted
-        refused: set[str] = set()
-        for (_, result), update in zip(waiting, self._workspace.flat_updates(waiting), strict=True):
-            reason = absolute_reason(update.size, self.policy.robust)
-            if reason is None:
-                self._updates[result.task_id] = update
-                continue
-            self._workspace.release(update)
-            if not math.isfinite(update.size.norm):
-                self._non_finite.add(result.device_id)
-            self.refusals.refuse(round_index, result.device_id, "rejected_update_norm", reason)
-            counters["rejected_update_norm"] += 1
-            refused.add(result.task_id)
-        return [pair for pair in accepted if pair[1].task_id not in refused]
 
     def _layout(self) -> GlobalLayout:
         """The global model's flat layout the direction screen compares nested updates in (cached per shapes)."""

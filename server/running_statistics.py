@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from statistics import median
 
@@ -75,6 +75,10 @@ class MeasuredStatistics:
     changed: tuple[bool, ...] | None = (
         None  # which tensors differ from what the task sent (None: all, unknown)
     )
+    # The values themselves, as measured: one row of the round's matrix for this layout, and where each tensor
+    # sits in it (the cohort screen, server/statistics_cohort.py, reads them without converting any tensor).
+    values: np.ndarray | None = field(default=None, compare=False, repr=False)
+    bounds: tuple[tuple[int, int], ...] | None = field(default=None, compare=False, repr=False)
 
     def compared(self) -> list[tuple[str, float]]:
         """(key, rms) of the tensors the round's comparison judges: those the board changed."""
@@ -94,6 +98,7 @@ class _Layout:
         self.nonempty = counts > 0
         self.all_nonempty = bool(self.nonempty.all())
         self.starts = (ends - counts)[self.nonempty]
+        self.bounds = tuple(zip((ends - counts).tolist(), ends.tolist(), strict=True))
         self.roots = np.sqrt(np.maximum(counts.astype(np.float64), 1.0))
         variances = [
             np.arange(end - count, end)
@@ -158,7 +163,12 @@ def measure(statistics: list[UploadedStatistics]) -> list[MeasuredStatistics]:
             elif low < 0:
                 problem = _negative_variance(keys, statistics[index].tensor_list())
             measured[index] = MeasuredStatistics(
-                keys, tuple(rms), problem, None if changed is None else tuple(changed[row])
+                keys,
+                tuple(rms),
+                problem,
+                None if changed is None else tuple(changed[row]),
+                values[row],
+                layout.bounds,
             )
     return measured
 

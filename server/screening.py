@@ -83,8 +83,16 @@ class RobustPolicy:
     )
     quarantine_rounds: int = 3  # rounds a device whose update was rolled back is not selected
     min_update_cosine: float = (
-        0.0  # refuse updates pointing against the others' mean (and off the round's); -1: off
+        -1.0  # refuse updates pointing against the others' mean (and off the round's); -1: off (issue 29)
     )
+    max_sample_factor: float | None = (
+        3.0  # a claim counts at most this x the fleet's median (server/influence.py)
+    )
+    max_weight_share: float | None = 0.3  # no result weighs more of its round than this (None: no bound)
+    bn_variance_factor: float = (
+        4.0  # running variances per channel vs the cohort (server/statistics_cohort.py)
+    )
+    bn_mean_sigmas: float = 3.0  # running means' shift from the cohort, in its standard deviations
 
     def __post_init__(self) -> None:
         checks = [
@@ -96,6 +104,13 @@ class RobustPolicy:
             (self.divergence_factor > 1, "divergence_factor must be > 1"),
             (self.quarantine_rounds >= 0, "quarantine_rounds must be >= 0"),
             (-1.0 <= self.min_update_cosine < 1.0, "min_update_cosine must be in [-1, 1) (-1: off)"),
+            (self.max_sample_factor is None or self.max_sample_factor >= 1, "max_sample_factor must be >= 1"),
+            (
+                self.max_weight_share is None or 0 < self.max_weight_share <= 1,
+                "max_weight_share must be in (0, 1]",
+            ),
+            (self.bn_variance_factor > 1, "bn_variance_factor must be > 1"),
+            (self.bn_mean_sigmas > 0, "bn_mean_sigmas must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -115,6 +130,10 @@ def robust_policy(run: RunSection) -> RobustPolicy:
         divergence_factor=run.divergence_factor,
         quarantine_rounds=run.quarantine_rounds,
         min_update_cosine=run.min_update_cosine,
+        max_sample_factor=run.max_sample_factor or None,
+        max_weight_share=run.max_weight_share or None,
+        bn_variance_factor=run.bn_variance_factor,
+        bn_mean_sigmas=run.bn_mean_sigmas,
     )
 
 

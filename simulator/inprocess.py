@@ -58,7 +58,7 @@ class InProcessTransport:
         backend: Backend,
         clock: VirtualClock | None = None,
         fleet: SimulatedFleet | None = None,
-        tamper: Callable[[Task, Result], Result] | None = None,
+        tamper: Callable[[Task, Result], Result | None] | None = None,
     ) -> None:
         if fleet is not None and clock is None:
             raise ValueError("a simulated fleet needs the virtual clock it runs on")
@@ -131,7 +131,9 @@ class InProcessTransport:
                         result.metrics["train_wall_s"] = planned[result.task_id]
             if self.tamper is not None:
                 by_id = {task.task_id: task for _, _, task in due}
-                delivery.results = [self.tamper(by_id[r.task_id], r) for r in delivery.results]
+                tampered = [(r, self.tamper(by_id[r.task_id], r)) for r in delivery.results]
+                delivery.results = [t for _, t in tampered if t is not None]
+                delivery.rejected += [(r.device_id, "invalid_message") for r, t in tampered if t is None]
         if self.clock is not None and self.fleet is not None:
             if len(due) < want and self.pending and deadline != float("inf"):
                 last = deadline  # nothing more before the deadline: the coordinator waited it out

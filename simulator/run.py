@@ -109,12 +109,14 @@ def run_simulation(
     overwrite: bool = False,
     on_round: Any = None,
     tamper: Any = None,
+    hello: Any = None,
 ) -> dict[str, Any]:
     """Run (or resume) a simulation; writes config.toml, metrics.jsonl, checkpoints, summary.json and
     accuracy.png. A folder holding a run is refused unless `resume` or `overwrite`; it is claimed only once
     the data, the strategy and the backend are ready, so a failed start leaves it as it was; a finished run
     resumed returns its summary and changes nothing.
-    `tamper(task, result) -> result` stands in for bad boards (benchmarks/robustness.py)."""
+    `tamper(task, result) -> result | None` (None: refused at the wire) and `hello(devices) -> devices` (what
+    the boards registered) stand in for bad boards (benchmarks/robustness.py)."""
     started = time.perf_counter()
     if resume:
         check_resumable(out_dir)
@@ -154,7 +156,8 @@ def run_simulation(
     if traces:
         plan = (strategy.full_spec, strategy.batch_size)  # replayed boards send their trace's profile
         replay = Replay(str(cfg.run.traces), traces, devices, backend, bundle.input_shape, out_dir, plan)
-    transport = replay.transport if replay else InProcessTransport(devices, backend, tamper=tamper)
+    registered = hello(list(devices)) if hello is not None else devices
+    transport = replay.transport if replay else InProcessTransport(registered, backend, tamper=tamper)
     evaluation = {
         "batch_size": cfg.run.eval_batch,
         "calibration_samples": cfg.run.calibration_samples,

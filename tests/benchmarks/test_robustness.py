@@ -24,7 +24,12 @@ def test_quick_mode_prints_the_verdict_line() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("worst_acc_drop=") and " runs_finished=5/5 " in last and "honest_overhead=" in last
+    figures = dict(pair.split("=", 1) for pair in last.split())
+    assert list(figures) == ["attacks", "crashes", "worst_acc_drop", "runs_finished", "honest_overhead"], last
+    attacks, crashes = int(figures["attacks"]), int(figures["crashes"])
+    assert attacks >= 12 and figures["runs_finished"] == f"{attacks - crashes}/{attacks}", last
+    # Every attack a server could die of is named in the table (a crash is reported, not raised).
+    assert done.stdout.count("CRASHED") == crashes
 
 
 def test_help_runs_as_a_script() -> None:

@@ -65,6 +65,13 @@ def inflated_samples(task: Task, board: int) -> Result:
     return result
 
 
+def lying_samples(task: Task, board: int) -> Result:
+    """An honest update claiming 10**9 samples, as its hello did (`fleet_server(..., hello_samples=...)`)."""
+    result = honest(task, board)
+    result.num_samples = 10**9
+    return result
+
+
 @dataclass
 class AttackRun:
     records: list[RoundRecord]
@@ -95,8 +102,10 @@ def fleet_server(
     robust: RobustPolicy | None = None,
     method: str = "fedavg",
     deadline_s: float = 30.0,
+    hello_samples: dict[int, int] | None = None,
 ) -> Iterator[tuple[Coordinator, MqttTransport, list[FakeDevice]]]:
-    """A server (real MqttTransport and Coordinator) and `boards` registered fake boards on `broker`."""
+    """A server (real MqttTransport and Coordinator) and `boards` registered fake boards on `broker`; each board's
+    hello claims 100 samples unless `hello_samples` says otherwise."""
     topics = FleetTopics(fleet)
     client = make_client(f"{fleet}-server", will=(topics.server_status, OFFLINE, True))
     transport = MqttTransport(
@@ -110,7 +119,7 @@ def fleet_server(
     devices = [FakeDevice(broker.host, broker.port, fleet, f"board-{i}") for i in range(boards)]
     try:
         for index, device in enumerate(devices):
-            device.hello(index=index, num_samples=100)
+            device.hello(index=index, num_samples=(hello_samples or {}).get(index, 100))
         wait_until(lambda: len(transport.devices()) == boards, 20, "every board to register")
         policy = RoundPolicy(
             rounds=rounds,
@@ -153,8 +162,11 @@ def run_fleet(
     boards: int = 3,
     robust: RobustPolicy | None = None,
     deadline_s: float = 30.0,
+    hello_samples: dict[int, int] | None = None,
 ) -> AttackRun:
-    with fleet_server(broker, fleet, boards, rounds, robust, deadline_s=deadline_s) as (
+    with fleet_server(
+        broker, fleet, boards, rounds, robust, deadline_s=deadline_s, hello_samples=hello_samples
+    ) as (
         coordinator,
         transport,
         devices,

@@ -23,6 +23,7 @@ from tests.server.robust_harness import (
     huge_values,
     inflated_samples,
     largest_difference,
+    lying_samples,
     play_round,
     run_fleet,
     scaled,
@@ -205,9 +206,13 @@ def sign_flipped_agreeing(task, board):
 
 
 def test_a_sign_flipped_board_is_refused_on_direction(broker):
-    """Its update has an honest norm, so only its direction gives it away; the four honest boards stay in."""
+    """Its update has an honest norm, so only its direction gives it away; the four honest boards stay in.
+    The direction screen is opt-in (issue 29: honest non-IID boards can point against the others)."""
     behaviours = {board: agreeing for board in range(5)}
-    clean = run_fleet(broker, "agree-clean", rounds=2, behaviours=behaviours, boards=5, deadline_s=3.0)
+    robust = RobustPolicy(min_update_cosine=0.0)
+    clean = run_fleet(
+        broker, "agree-clean", rounds=2, behaviours=behaviours, boards=5, deadline_s=3.0, robust=robust
+    )
     assert all(r.counters.get("rejected_update_direction", 0) == 0 for r in clean.records)
     attacked = run_fleet(
         broker,
@@ -216,6 +221,7 @@ def test_a_sign_flipped_board_is_refused_on_direction(broker):
         behaviours={**behaviours, 4: sign_flipped_agreeing},
         boards=5,
         deadline_s=3.0,
+        robust=robust,
     )
     assert [r.counters.get("rejected_update_direction", 0) for r in attacked.records] == [1, 1]
     assert all(r.aggregated and r.accepted == 4 for r in attacked.records)
@@ -250,3 +256,16 @@ def test_a_round_whose_boards_all_answered_closes_at_once_though_one_answer_was_
     record = attacked.records[0]
     assert record.counters[counter] == 1 and record.accepted == 2 and record.aggregated
     assert record.closed_at - record.dispatched_at < 30.0
+
+
+def test_a_consistent_sample_lie_weighs_three_boards_not_the_fleet(broker, caplog):
+    """Hello and every result claim 10**9 samples (issue 25: it took FedAvg over). Nothing is refused (the result
+    matches its hello), but the claim counts at most 3 x the fleet's median registered count (100) and at most
+    half of a round of four (whose honest results say 10 samples each): the liar weighs 30 samples of 60."""
+    with caplog.at_level("INFO", logger="nestling.coordinator"):
+        lie = run_fleet(
+            broker, "lie", rounds=1, behaviours={0: lying_samples}, boards=4, hello_samples={0: 10**9}
+        )
+    (record,) = lie.records
+    assert record.counters.get("bounded_num_samples") == 1 and record.accepted == 4 and record.aggregated
+    assert "weight bounded to 30 samples: claims 1000000000 samples" in caplog.text

@@ -119,12 +119,13 @@ def test_a_sign_flipped_update_is_refused_and_honest_ones_are_not() -> None:
     layout = GlobalLayout({"conv": (8, 4), "bias": (8,)})
     updates = [_nested_update(w, seed) for seed, w in enumerate((8, 8, 6, 4, 4, 2))]
     updates.append(_nested_update(6, 99, flip=True))
-    refused = direction_outliers(direction_cosines(updates, layout), RobustPolicy())
+    refused = direction_outliers(direction_cosines(updates, layout), RobustPolicy(min_update_cosine=0.0))
     assert list(refused) == [6] and "below" in refused[6]
+    assert direction_outliers(direction_cosines(updates, layout), RobustPolicy()) == {}  # opt-in (issue 29)
 
 
 def test_direction_needs_three_updates_a_consensus_and_refuses_only_a_minority() -> None:
-    policy = RobustPolicy()
+    policy = RobustPolicy(min_update_cosine=0.0)
     assert direction_outliers([0.9, -0.9], policy) == {}  # two updates: neither can be told from the attacker
     assert direction_outliers([0.9, 0.85, -0.9], policy) == {
         2: direction_outliers([0.9, 0.85, -0.9], policy)[2]
@@ -222,6 +223,6 @@ def test_a_few_closely_agreeing_boards_do_not_make_a_slightly_negative_honest_on
     """Measured on HeteroFL (synthetic data, four boards): three cosines within 0.02 of +0.265 and one honest
     board at -0.029. The deviations' median was ~0.01, so -0.029 stood '6 deviations' out and was refused; the
     spread is now at least MIN_SPREAD. A sign flip in a round that agrees (cosines near +0.8) is still refused."""
-    policy = RobustPolicy()
+    policy = RobustPolicy(min_update_cosine=0.0)
     assert direction_outliers([0.255, 0.265, 0.275, -0.029], policy) == {}
     assert list(direction_outliers([0.8, 0.75, 0.82, 0.78, -0.78], policy)) == [4]

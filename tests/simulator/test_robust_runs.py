@@ -87,7 +87,7 @@ def test_every_methods_honest_run_refuses_nothing_and_is_bit_identical_with_scre
         k: v
         for r in records
         for k, v in r["counters"].items()
-        if v and (k.startswith("rejected_") or k.startswith("clipped") or k == "rolled_back")
+        if v and (k.startswith(("rejected_", "clipped", "bounded_")) or k == "rolled_back")
     }
     assert acted == {}, acted
     on, off = final_weights(tmp_path / "on"), final_weights(tmp_path / "off")
@@ -95,7 +95,7 @@ def test_every_methods_honest_run_refuses_nothing_and_is_bit_identical_with_scre
 
 
 def test_a_huge_valued_board_is_refused_in_the_simulator(tmp_path: Path) -> None:
-    summary = run_simulation(tiny(), tmp_path / "huge", tamper=ATTACKS["huge_values"])
+    summary = run_simulation(tiny(), tmp_path / "huge", tamper=ATTACKS["huge_values"].tamper)
     weights = final_weights(tmp_path / "huge")
     assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.is_floating_point())
     assert summary["quarantined"] == []
@@ -104,7 +104,7 @@ def test_a_huge_valued_board_is_refused_in_the_simulator(tmp_path: Path) -> None
 def test_a_board_inflating_bn_running_variances_is_refused(tmp_path: Path) -> None:
     """Honest weights, every running variance × 10^4: the update's norm over trained weights is honest, the
     statistics screen refuses it, and the model's variances stay where the honest boards put them."""
-    run_simulation(tiny(rounds=2), tmp_path / "attacked", tamper=ATTACKS["inflated_bn_variance"])
+    run_simulation(tiny(rounds=2), tmp_path / "attacked", tamper=ATTACKS["inflated_bn_variance"].tamper)
     run_simulation(tiny(rounds=2), tmp_path / "honest")
     records = [
         json.loads(line) for line in (tmp_path / "attacked" / "metrics.jsonl").read_text().splitlines()
@@ -116,11 +116,22 @@ def test_a_board_inflating_bn_running_variances_is_refused(tmp_path: Path) -> No
             assert float(value.max()) < 10 * float(honest[key].max()), key
 
 
+@pytest.mark.parametrize("attack", ["bn_variance_x9", "bn_variance_zero", "bn_mean_8_sigma"])
+def test_in_range_bn_poisoning_is_refused_every_round(tmp_path: Path, attack: str) -> None:
+    """Issue 25: inside the x10 screen (variances x9, 0; means +8 sigma) with honest weights, against 3 honest
+    boards: refused every round by the cohort screen, named."""
+    run_simulation(tiny(rounds=2), tmp_path, tamper=ATTACKS[attack].tamper)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["counters"].get("rejected_update_norm", 0) for r in records] == [1, 1]
+    assert all(r["aggregated"] and r["accepted"] == 3 for r in records)
+
+
 @pytest.mark.parametrize("attack", ["huge_values", "inflated_bn_variance", "sign_flipped"])
 def test_with_quorum_one_a_refused_board_does_not_cost_the_round(tmp_path: Path, attack: str) -> None:
     """The quorum counts results that arrived valid: one refused update (an attacker's, or an honest outlier
     the direction screen refuses) leaves the round to the others instead of abandoning it."""
-    run_simulation(tiny(quorum=1.0, rounds=3), tmp_path, tamper=ATTACKS[attack])
+    direction = {"min_update_cosine": 0.0} if attack == "sign_flipped" else {}  # opt-in (issue 29)
+    run_simulation(tiny(quorum=1.0, rounds=3, **direction), tmp_path, tamper=ATTACKS[attack].tamper)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     refused = {"sign_flipped": "rejected_update_direction"}.get(attack, "rejected_update_norm")
     assert all(r["aggregated"] and r["accepted"] == 4 - r["counters"].get(refused, 0) for r in records)
@@ -134,7 +145,7 @@ def test_robust_rules_aggregate_every_nested_strategy(tmp_path: Path, method: st
     run_simulation(
         tiny(method, aggregation=rule, rounds=1, eval_every=1),
         tmp_path / rule,
-        tamper=ATTACKS["sign_flipped"],
+        tamper=ATTACKS["sign_flipped"].tamper,
     )
     weights = final_weights(tmp_path / rule)
     assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.is_floating_point())
@@ -166,3 +177,43 @@ def test_honest_non_iid_boards_are_never_refused(tmp_path: Path, method: str, ar
     refused = {k: v for r in records for k, v in r["counters"].items() if k.startswith("rejected")}
     assert not refused, refused
     assert all(r["aggregated"] for r in records)
+
+
+def _preset_partitions() -> list[tuple[str, dict]]:
+    """Each reproduction preset's small-scale partition: scheme, its options, clients and share a round."""
+    import tomllib
+
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[2] / "examples" / "reproduce").glob("*.toml")):
+        small = tomllib.loads(path.read_text())["scales"]["small"]
+        data = {k: v for k, v in small["data"].items() if k in ("partition", "alpha", "clients")}
+        found.append((path.stem, {**data, "fraction": small["train"]["fraction"]}))
+    return found
+
+
+@pytest.mark.parametrize("preset, partition", _preset_partitions(), ids=[p for p, _ in _preset_partitions()])
+def test_no_screen_or_bound_acts_on_honest_fedavg_boards_of_any_presets_partition(
+    tmp_path: Path, preset: str, partition: dict
+) -> None:
+    """Issue 29: the direction screen refused an honest FedAvg board of a Dirichlet(0.5) reproduction. With the
+    defaults (direction screen off, norm and BN screens, weight bounds) nothing acts on honest boards of any
+    preset's partition (its scheme, alpha, clients and share a round, on digits with tinycnn)."""
+    fraction = partition.pop("fraction")
+    cfg = config_from_dict(
+        {
+            "run": {"rounds": 3, "seed": 0, "workers": 1, "eval_every": 0, "checkpoint_every": 0},
+            "data": {"dataset": "digits", **partition},
+            "model": {"arch": "tinycnn"},
+            "method": {"name": "fedavg"},
+            "train": {"fraction": fraction, "local_epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9},
+        }
+    )
+    run_simulation(cfg, tmp_path / preset)
+    records = [json.loads(line) for line in (tmp_path / preset / "metrics.jsonl").read_text().splitlines()]
+    acted = {
+        k: v
+        for r in records
+        for k, v in r["counters"].items()
+        if v and k.startswith(("rejected_", "clipped", "bounded_", "rolled_back"))
+    }
+    assert acted == {} and all(r["aggregated"] for r in records), acted

@@ -1,0 +1,103 @@
+"""BN running statistics judged channel by channel against the round's cohort (server/statistics_cohort.py):
+the in-range poisoning of issue 25 is refused, honest non-IID spread is not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nestling.server.running_statistics import UploadedStatistics, measure
+from nestling.server.statistics_cohort import cohort_outliers
+
+
+def board(seed: int, channels: int = 16, spread: float = 0.3) -> dict[str, torch.Tensor]:
+    """An honest board's statistics: per-channel variances near a common profile (x e^N(0, spread)) and
+    means within a fraction of a standard deviation of a common profile."""
+    common = torch.Generator().manual_seed(0)
+    profile_var = torch.rand(channels, generator=common) * 2 + 0.5
+    profile_mean = torch.randn(channels, generator=common)
+    own = torch.Generator().manual_seed(100 + seed)
+    variance = profile_var * torch.exp(spread * torch.randn(channels, generator=own))
+    mean = profile_mean + 0.3 * profile_var.sqrt() * torch.randn(channels, generator=own)
+    return {"bn.running_mean": mean, "bn.running_var": variance}
+
+
+def judge(boards: list[dict[str, torch.Tensor]]) -> dict[int, str]:
+    uploads = [UploadedStatistics(tuple(b), tuple(b.values())) for b in boards]
+    return cohort_outliers(uploads, measure(uploads))
+
+
+def test_honest_boards_with_non_iid_spread_are_not_refused() -> None:
+    assert judge([board(i) for i in range(10)]) == {}
+    assert judge([board(i, spread=0.6) for i in range(10)]) == {}  # variances 1.8x apart per channel
+
+
+@pytest.mark.parametrize(
+    "attack, named",
+    [
+        (lambda b: {**b, "bn.running_var": b["bn.running_var"] * 9}, "running variance bn.running_var"),
+        (lambda b: {**b, "bn.running_var": torch.zeros(16)}, "running variance bn.running_var 0x"),
+        (lambda b: {**b, "bn.running_var": torch.full((16,), 1e-30)}, "running variance bn.running_var"),
+        (lambda b: {**b, "bn.running_var": b["bn.running_var"] / 9}, "running variance bn.running_var"),
+        (
+            lambda b: {**b, "bn.running_mean": b["bn.running_mean"] + 8 * b["bn.running_var"].sqrt()},
+            "running mean bn.running_mean",
+        ),
+    ],
+)
+def test_in_range_poisoning_is_refused_by_name(attack, named: str) -> None:
+    boards = [board(i) for i in range(10)]
+    boards[3] = attack(boards[3])
+    refused = judge(boards)
+    assert list(refused) == [3] and named in refused[3], refused
+
+
+def test_nested_prefixes_are_compared_on_the_channels_they_hold() -> None:
+    """Boards of a narrower submodel hold a channel prefix; a narrow attacker is still measured on its own."""
+    boards = [board(i) for i in range(6)] + [{k: v[:8] for k, v in board(i).items()} for i in range(6, 10)]
+    assert judge(boards) == {}
+    boards[8] = {**boards[8], "bn.running_var": boards[8]["bn.running_var"] * 9}
+    assert list(judge(boards)) == [8]
+
+
+def test_fewer_than_three_boards_are_not_judged_and_dead_channels_are_skipped() -> None:
+    two = [board(0), {**board(1), "bn.running_var": torch.zeros(16)}]
+    assert judge(two) == {}
+    dead = [board(i) for i in range(5)]
+    for b in dead:  # a channel every board measured as 0 (a dead ReLU before it): not evidence against anyone
+        b["bn.running_var"][:2] = 0.0
+    assert judge(dead) == {}
+
+
+def test_tensors_a_board_left_as_sent_are_not_compared() -> None:
+    """FjORD's boards send the statistics of widths they did not train as the task had them."""
+    sent = {"bn.running_mean": torch.zeros(16), "bn.running_var": torch.ones(16)}
+    boards = [board(i) for i in range(4)] + [dict(sent), dict(sent)]
+    uploads = [UploadedStatistics(tuple(b), tuple(b.values()), sent=tuple(sent.values())) for b in boards]
+    assert cohort_outliers(uploads, measure(uploads)) == {}
+
+
+def test_the_one_layout_path_measures_as_the_key_by_key_path() -> None:
+    """The usual round (one layout, all changed) is measured for all keys at once; it agrees with key by key."""
+    from nestling.server.statistics_cohort import _fast_shifts, _rows, _slow_shifts
+
+    boards = [board(i) for i in range(8)]
+    for b in boards:
+        b["conv.running_mean"], b["conv.running_var"] = (
+            b["bn.running_mean"][:5] * 2,
+            b["bn.running_var"][:5] + 1,
+        )
+    boards[2]["bn.running_var"] = boards[2]["bn.running_var"] * 9
+    boards[5]["conv.running_mean"] = boards[5]["conv.running_mean"] + 8 * boards[5]["conv.running_var"].sqrt()
+    uploads = [UploadedStatistics(tuple(b), tuple(b.values())) for b in boards]
+    measured, judged = measure(uploads), list(range(8))
+    fast, slow = _fast_shifts(measured, judged), _slow_shifts(_rows(uploads, measured, judged))
+    assert fast is not None and [f[0] for f in fast] == [s[0] for s in slow] == [
+        "bn.running_var",
+        "conv.running_var",
+    ]
+    for f, s in zip(fast, slow, strict=True):
+        assert f[1] == s[1] and f[3] == s[3] and f[4] == s[4]
+        assert torch.allclose(torch.from_numpy(f[2]), torch.from_numpy(s[2])), (f[2], s[2])
+        assert torch.allclose(torch.from_numpy(f[5]), torch.from_numpy(s[5])), (f[5], s[5])
+    assert list(cohort_outliers(uploads, measured)) == [2, 5]
