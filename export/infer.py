@@ -1,4 +1,4 @@
-"""`nestling infer --bundle DIR INPUT...`: run an export bundle with onnxruntime and numpy only (no PyTorch).
+"""`nestling infer --bundle DIR INPUT...`: run an export bundle with onnxruntime, numpy and msgspec only (no PyTorch).
 
 INPUT is an image file (read with Pillow, resized to the bundle's input size, normalised with the
 bundle's mean/std) or a .npy array: uint8 arrays are pixels, (H, W, C) or (N, H, W, C), normalised

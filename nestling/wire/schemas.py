@@ -101,6 +101,7 @@ class Resources(_Schema):
     cpu_percent: Annotated[float, Meta(ge=0.0, le=1e5)] | None = None
     available_memory_bytes: Bytes | None = None
     rss_bytes: Bytes | None = None
+    peak_rss_bytes: Bytes | None = None
     temperature_c: Annotated[float, Meta(ge=-273.0, le=1000.0)] | None = None
 
 

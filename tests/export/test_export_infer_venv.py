@@ -1,4 +1,4 @@
-"""`infer` in a fresh venv with onnxruntime, numpy and Pillow but no torch: the same top-1 as PyTorch.
+"""`infer` in a fresh venv with onnxruntime, numpy, msgspec and Pillow but no torch: the same top-1 as PyTorch.
 
 The environment is a plain venv (not --system-site-packages, which would leak this one's torch),
 cached in pytest's cache folder so later runs skip the install; it is checked to lack torch each time.
@@ -21,9 +21,9 @@ from nestling.export.reference import reference_model
 from nestling.export.source import open_checkpoint, select_target
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ["onnxruntime", "numpy", "pillow"]
+PACKAGES = ["onnxruntime", "numpy", "msgspec", "pillow"]
 PROBE = (
-    "import onnxruntime, numpy, PIL, importlib.util as u; assert u.find_spec('torch') is None, 'has torch'"
+    "import onnxruntime, numpy, msgspec, PIL, importlib.util as u; assert u.find_spec('torch') is None, 'has torch'"
 )
 
 

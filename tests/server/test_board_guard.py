@@ -26,14 +26,14 @@ CTX = StrategyContext(
     "method", ["nefl-wd", "nefl-w", "dynamicfl", "fedtrans"]
 )  # the ones that read a tier
 def test_a_board_whose_assignment_raises_is_refused_and_the_others_are_assigned(method: str) -> None:
-    """A DeviceInfo built past the hello schema (as a plugin transport might): its tier is not a number."""
+    """A DeviceInfo built past the enrolment's checks (as a plugin transport might): its tier is not a number."""
     strategy = create_strategy(method, CTX)
     boards = [DeviceInfo(f"b{i}", i, 20) for i in range(2)]
-    bad = DeviceInfo("bad", 2, 20, profile={"tier": "abc"})
+    bad = DeviceInfo("bad", 2, 20, tier="abc")  # type: ignore[arg-type]
     refused: list[tuple[str, str]] = []
     tasks = assign_guarded(strategy, 0, [*boards, bad], lambda d, why: refused.append((d, why)))
     assert sorted(tasks) == ["b0", "b1"]
-    assert [d for d, _ in refused] == ["bad"] and "abc" in refused[0][1]
+    assert [d for d, _ in refused] == ["bad"] and "Error" in refused[0][1]  # the exception, named
 
 
 def test_an_error_no_single_board_causes_is_the_servers_and_raised() -> None:
