@@ -107,7 +107,7 @@ case "$MODE" in
     # The base only: torch, numpy, safetensors, onnx, onnxruntime, psutil, paho-mqtt.
     $PIP install --quiet --no-compile -e .
     # What the dependencies ship for their own test runs and builds, which no agent, export or infer imports or
-    # runs (~45 MB on aarch64): onnx's backend test data (models and tensors, not modules; onnx.backend.test's
+    # runs (44 MB on aarch64): onnx's backend test data (models and tensors, not modules; onnx.backend.test's
     # code stays), the `tests` packages inside sympy, numpy and networkx (their `testing` helpers stay), and
     # torch's two copies of the protobuf compiler `protoc`. Only from the venv's own packages, never a system
     # torch; NESTLING_KEEP_PACKAGE_TESTS=1 keeps them.
