@@ -130,6 +130,8 @@ min_devices = 1
 round_min_devices = 1
 registration_timeout_s = 3600
 heartbeat_timeout_s = 600
+[enrolment]
+devices = ["arm64-board"]
 [run]
 rounds = 2
 seed = 0

@@ -106,6 +106,20 @@ case "$MODE" in
   --board)
     # The base only: torch, numpy, safetensors, onnx, onnxruntime, psutil, paho-mqtt.
     $PIP install --quiet --no-compile -e .
+    # What the dependencies ship for their own test runs and builds, which no agent, export or infer imports or
+    # runs (44 MB on aarch64): onnx's backend test data (models and tensors, not modules; onnx.backend.test's
+    # code stays), the `tests` packages inside sympy, numpy and networkx (their `testing` helpers stay), and
+    # torch's two copies of the protobuf compiler `protoc`. Only from the venv's own packages, never a system
+    # torch; NESTLING_KEEP_PACKAGE_TESTS=1 keeps them.
+    if [ -z "${NESTLING_KEEP_PACKAGE_TESTS:-}" ]; then
+      for site in .venv/lib/python3*/site-packages; do
+        rm -rf "$site/onnx/backend/test/data" "$site/torch/bin/protoc" "$site/torch/bin/protoc-"*
+        for package in sympy numpy networkx; do
+          [ -d "$site/$package" ] && find "$site/$package" -depth -type d -name tests -exec rm -rf {} +
+        done
+      done
+      echo "removed the dependencies' test suites and test data from the venv (NESTLING_KEEP_PACKAGE_TESTS=1 keeps them)"
+    fi
     .venv/bin/python -c "import torch, onnxruntime; print(f'board install ready: torch {torch.__version__}, onnxruntime {onnxruntime.__version__}')"
     ;;
   --dev)

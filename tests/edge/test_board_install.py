@@ -3,7 +3,10 @@ the agent: every path `nestling agent` takes — its modules, its data, a traini
 pieces, its own ONNX export and `nestling infer` — imports nothing the board did not install.
 
 The child process blocks the workstation-only packages with a meta-path finder, so a stray import fails
-here as it would on a Raspberry Pi, whatever this workstation has installed.
+here as it would on a Raspberry Pi, whatever this workstation has installed. It blocks as well what setup.sh
+--board leaves out of the board's venv (the `tests` packages of sympy, numpy and networkx) and records every
+file opened or program started under what it removes (onnx's backend test data, torch's protoc), so nothing
+the agent runs can need them.
 """
 
 from __future__ import annotations
@@ -21,12 +24,25 @@ REPO = Path(__file__).resolve().parents[2]
 BLOCKER = """
 import importlib.abc, sys
 BLOCKED = {blocked!r}
+# What setup.sh --board removes from the board's venv: test packages, test data, torch's protobuf compiler.
+PRUNED_TESTS = ("sympy", "numpy", "networkx")
+PRUNED_FILES = ("/onnx/backend/test/data", "/torch/bin/protoc")
+PRUNED_TOUCHED = []
+def pruned_module(name):
+    parts = name.split(".")
+    return parts[0] in PRUNED_TESTS and "tests" in parts
+def record_pruned_files(event, args):
+    if event in ("open", "subprocess.Popen", "os.exec", "os.posix_spawn") and args:
+        path = str(args[0])
+        if any(part in path for part in PRUNED_FILES):
+            PRUNED_TOUCHED.append(path)
+sys.addaudithook(record_pruned_files)
 class BoardInstall(importlib.abc.MetaPathFinder):
     # Every finder, except that a blocked package is absent: import fails, find_spec answers None.
     def __init__(self, finders):
         self.finders = finders
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
+        if name.split(".")[0] in BLOCKED or pruned_module(name):
             return None
         for finder in self.finders:
             spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
@@ -86,8 +102,9 @@ try:
     raise AssertionError("digits loaded without scikit-learn")
 except DependencyError as exc:
     assert "scikit-learn" in str(exc) and "synthetic" in str(exc), exc
-leaked = sorted(name for name in sys.modules if name.split(".")[0] in BLOCKED)
+leaked = sorted(name for name in sys.modules if name.split(".")[0] in BLOCKED or pruned_module(name))
 assert not leaked, leaked
+assert not PRUNED_TOUCHED, PRUNED_TOUCHED
 print("board paths ok")
 """
 
@@ -143,3 +160,22 @@ def test_a_workstation_command_on_a_board_says_what_to_install() -> None:
     errors = done.stderr.strip().splitlines()
     assert len(errors) == 2 and all("pip install 'nestling[workstation]'" in line for line in errors), errors
     assert all("needs rich" in line for line in errors)
+
+
+def test_the_guard_catches_what_setup_leaves_out_of_a_board() -> None:
+    """The blocker and the file record above do catch a pruned test package and a pruned data file."""
+    body = (
+        "import importlib.util, onnx\n"
+        "from pathlib import Path\n"
+        "assert importlib.util.find_spec('numpy._core.tests') is None\n"
+        "assert importlib.util.find_spec('numpy.testing') is not None\n"
+        "data = Path(onnx.__file__).parent / 'backend' / 'test' / 'data' / 'missing.pb'\n"
+        "try:\n"
+        "    open(data, 'rb')\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print(PRUNED_TOUCHED)\n"
+    )
+    done = _run_blocked(body, set())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "onnx/backend/test/data/missing.pb" in done.stdout, done.stdout

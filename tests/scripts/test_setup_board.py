@@ -1,6 +1,8 @@
 """scripts/setup.sh --board refuses what cannot work, with the reason, before it makes a venv or downloads:
 a 32-bit OS (also a 64-bit kernel under a 32-bit userland, as 32-bit Raspberry Pi OS on a Pi 4 ships), a Python
 older than 3.10, a JetPack older than 6, a Jetson without NVIDIA's torch; and it keeps a system torch.
+On a board venv it removes the dependencies' test suites, test data and torch's protoc and headers, and
+nothing beside them, unless the keep switches say otherwise.
 
 The interpreter is a stand-in that answers setup.sh's probe as such a board would and runs every other
 `python -c` with this host's Python; the slow board check (tests/scripts/test_board_check_arm64.py) runs the
@@ -20,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_setup(
-    tmp_path: Path, probe: str, tegra: str | None = None, *args: str
+    tmp_path: Path, probe: str, tegra: str | None = None, *args: str, extra_env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """setup.sh --board from a copy of scripts/ (so no .venv lands in the repo), on a board whose Python
     answers the probe with `probe` ("machine bits major minor torch-or--") and refuses to make venvs."""
@@ -38,6 +40,7 @@ def run_setup(
     if tegra is not None:
         release.write_text(tegra)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(python), "NESTLING_TEGRA_RELEASE": str(release)}
+    env.update(extra_env or {})
     return subprocess.run(
         ["bash", str(tmp_path / "scripts" / "setup.sh"), *(args or ("--board",))],
         capture_output=True,
@@ -101,3 +104,61 @@ def test_a_system_torch_outside_the_range_is_refused_not_shadowed(tmp_path: Path
 def test_an_unknown_flag_is_refused(tmp_path: Path) -> None:
     done = run_setup(tmp_path, "x86_64 64 3 11 -", None, "--bord")
     assert done.returncode == 2 and "usage: bash scripts/setup.sh [--dev | --board]" in done.stderr
+
+
+# A board venv's site-packages in miniature: what setup.sh --board removes, and its neighbours that must stay.
+REMOVED = [
+    "onnx/backend/test/data/node/test_abs/model.onnx",
+    "sympy/polys/tests/test_polytools.py",
+    "sympy/testing/tests/test_pytest.py",
+    "numpy/_core/tests/test_multiarray.py",
+    "networkx/algorithms/tests/test_cycles.py",
+    "torch/bin/protoc",
+    "torch/bin/protoc-3.13.0.0",
+    "torch/include/ATen/ATen.h",
+]
+KEPT = [
+    "onnx/backend/test/__init__.py",
+    "onnx/backend/test/case/node/abs.py",
+    "sympy/testing/runtests.py",
+    "sympy/polys/polytools.py",
+    "numpy/testing/__init__.py",
+    "networkx/algorithms/cycles.py",
+    "torch/bin/torch_shm_manager",
+    "torch/fx/passes/tests/__init__.py",
+    "other/tests/test_other.py",
+]
+
+
+def board_venv(tmp_path: Path) -> Path:
+    """A .venv whose python is this host's (it imports torch, so setup.sh installs none) and whose pip does
+    nothing, over a site-packages holding every file of REMOVED and KEPT."""
+    site = tmp_path / ".venv" / "lib" / "python3.11" / "site-packages"
+    for name in REMOVED + KEPT:
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text("x")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(
+        f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = pip ]; then exit 0; fi\nexec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    return site
+
+
+def test_a_board_venv_goes_without_its_dependencies_test_suites_and_keeps_what_runs(tmp_path: Path) -> None:
+    site = board_venv(tmp_path)
+    done = run_setup(tmp_path, "aarch64 64 3 11 -")
+    assert done.returncode == 0, done.stderr
+    assert "NESTLING_KEEP_PACKAGE_TESTS=1 keeps them" in done.stdout, done.stdout
+    assert [name for name in REMOVED if (site / name).exists()] == []
+    assert [name for name in KEPT if not (site / name).exists()] == []
+    assert not (site / "onnx/backend/test/data").exists() and not (site / "sympy/polys/tests").exists()
+
+
+def test_the_keep_switches_keep_the_test_suites_and_the_headers(tmp_path: Path) -> None:
+    site = board_venv(tmp_path)
+    keep = {"NESTLING_KEEP_PACKAGE_TESTS": "1", "NESTLING_KEEP_TORCH_HEADERS": "1"}
+    done = run_setup(tmp_path, "aarch64 64 3 11 -", extra_env=keep)
+    assert done.returncode == 0, done.stderr
+    assert [name for name in REMOVED + KEPT if not (site / name).exists()] == []
