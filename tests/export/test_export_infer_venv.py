@@ -22,9 +22,7 @@ from nestling.export.source import open_checkpoint, select_target
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ["onnxruntime", "numpy", "msgspec", "pillow"]
-PROBE = (
-    "import onnxruntime, numpy, msgspec, PIL, importlib.util as u; assert u.find_spec('torch') is None, 'has torch'"
-)
+PROBE = "import onnxruntime, numpy, msgspec, PIL, importlib.util as u; assert u.find_spec('torch') is None, 'has torch'"
 
 
 def _python(venv: Path) -> Path:
