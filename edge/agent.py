@@ -27,7 +27,7 @@ from nestling.edge.agent_presence import AgentPresence
 from nestling.edge.agent_profiling import AgentProfiling
 from nestling.edge.agent_state_file import AgentStateFile
 from nestling.edge.agent_training import AgentTraining, warm_up
-from nestling.edge.emulated_availability import EmulatedAvailability, TaskInterruption
+from nestling.edge.emulated_availability import CLOSED_PHASES, EmulatedAvailability, TaskInterruption
 from nestling.edge.emulation import EmulationTarget
 from nestling.edge.monitor import ResourceMonitor
 from nestling.edge.procedures import ClientData
@@ -160,7 +160,7 @@ class Agent:
         status = decode_server_status(payload)
         if self.availability is not None:
             self.availability.on_announcement(status.phase)
-        if self.interruption is not None and status.phase != "training" and status.round is not None:
+        if self.interruption is not None and status.phase in CLOSED_PHASES and status.round is not None:
             self.interruption.round_closed(status.round)
         greet = self.profiling.for_plan(status.plan)
         if status.session != self.server_session:  # a server process we have not greeted yet

@@ -25,6 +25,9 @@ from nestling.profiler.traces import DeviceTrace
 
 log = logging.getLogger("nestling.agent")
 
+# The server's phases that announce its round closed ("waiting" names the round about to start).
+CLOSED_PHASES = ("aggregating", "done")
+
 # A window must stay open this long (wall seconds) to be worth reconnecting for, as the replay ignores
 # zero-length windows.
 _SHORTEST_STAY_S = 1e-3
