@@ -193,3 +193,19 @@ def test_the_mixed_trace_has_four_classes_that_come_and_go() -> None:
     assert all(t.is_available(0.0) for t in traces)  # every agent registers before the first round
     assert fidelity.enrolment_table(["dev-00000"]) in ({}, {"enrolment": {"devices": ["dev-00000"]}})
     assert fidelity_mixed.server_gaps([metrics_row(1, 5.5, 9.0, 0.1), metrics_row(0, 0.0, 5.0, 0.1)]) == [0.5]
+
+
+@pytest.mark.slow
+def test_a_tiny_mixed_fleet_comes_and_goes_in_both_worlds(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    # 6 agents, 3 rounds, short sessions on a fast clock: dropouts happen, windows are kept, rounds compared.
+    argv = ["--mixed", "--devices", "6", "--rounds", "3", "--local-epochs", "1", "--online-h", "0.5"]
+    assert fidelity.main([*argv, "--offline-h", "0.25", "--settle", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    figures = dict(part.split("=") for part in last.split())
+    assert figures["classes"] == "4" and int(figures["dropouts"]) >= 1
+    assert re.fullmatch(r"\d/3", figures["same_selection"])
+    assert (figures["tta_err"] == "host_bound") == ("HOST-BOUND" in out)  # never an error figure of the host
+    windows = re.search(r"windows: (\d+) departures and returns by the agents, each within ([\d.]+) s", out)
+    assert windows and int(windows.group(1)) >= 1 and float(windows.group(2)) < 0.5
+    assert "reaches" in out and "server time between rounds" in out

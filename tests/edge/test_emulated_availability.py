@@ -37,7 +37,7 @@ FLAKY = DeviceTrace(
     gflops=0.05,
     availability=((0.0, 5400.0), (10800.0, 1e12)),
 )
-SCALE = 3600.0  # one trace hour a wall second
+SCALE = 7200.0  # two trace hours a wall second
 
 
 def test_an_interruption_stops_only_its_own_task() -> None:
@@ -73,7 +73,7 @@ def test_availability_needs_a_trace_device_and_a_positive_scale(tmp_path: Path) 
     with pytest.raises(ConfigError, match="time scale.*> 0"):
         with_availability(target, config.device, -2.0)
     scaled = with_availability(target, config.device, SCALE)
-    assert scaled is not None and scaled.availability.availability == ((0.0, 1.5), (3.0, 1e12 / SCALE))
+    assert scaled is not None and scaled.availability.availability == ((0.0, 0.75), (1.5, 1e12 / SCALE))
     assert target is not None and target.availability is None  # off unless asked for
 
 
@@ -125,13 +125,13 @@ def test_a_flaky_board_leaves_loses_its_task_and_returns(broker, tmp_path: Path)
         )
         for chunk in split_into_chunks("task-flaky", encode_task(task, "s1"), 64 * 1024):
             server.publish(server.topics.task(DEVICE), chunk)
-        # The board trains at 0.05 GFLOP/s: its task needs far longer than the 1.5 s its window has left.
+        # The board trains at 0.05 GFLOP/s: its task needs far longer than the 0.75 s its window has left.
         offline_at = _next_status(server, lambda p: p == OFFLINE) - announced
-        assert 1.3 < offline_at < 2.5, offline_at
-        _, hello_at = server.next("hello", timeout=10.0)  # back at trace hour 3 (3 s), registering again
-        assert 2.8 < hello_at - announced < 4.5, hello_at - announced
+        assert 0.7 < offline_at < 1.7, offline_at
+        _, hello_at = server.next("hello", timeout=10.0)  # back at trace hour 3 (1.5 s), registering again
+        assert 1.45 < hello_at - announced < 3.0, hello_at - announced
         with pytest.raises(queue.Empty):  # the abandoned task's result never comes
-            server.next("result", timeout=2.0)
+            server.next("result", timeout=1.0)
         assert agent.interruption is not None and agent.interruption.left_at > announced
         assert agent.availability is not None and agent.availability.departures == 1
     finally:
