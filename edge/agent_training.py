@@ -78,6 +78,9 @@ class AgentTraining:
         """True (and logged) when the emulated board must stop this task: it left, or the round closed."""
         if self.interruption is None or not self.interruption.interrupted:
             return False
+        pacing = None if self.pacer is None else self.pacer.pacing.get(task.task_id)
+        if pacing is not None and self.emulation is not None:  # what the host managed before it stopped
+            log.info("%s", pacing.line(task.round, self.emulation.name))
         log.info(
             "round %d: abandoned %s %s: %s; no result is sent",
             task.round,
