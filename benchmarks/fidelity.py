@@ -377,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         "--time-scale", type=float, default=240.0, help="--mixed: trace seconds per wall second"
     )
     parser.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="--mixed: run (or reuse) only the replay in --out; a later run with the same settings reuses it",
+    )
+    parser.add_argument(
         "--target-share",
         type=float,
         default=0.9,
