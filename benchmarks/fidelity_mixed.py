@@ -33,7 +33,6 @@ from typing import Any
 
 from benchmarks.fidelity import run_fleet, run_simulator
 from benchmarks.fidelity_compare import (
-    RoundComparison,
     Verdict,
     comings_and_goings,
     final_line,
@@ -123,7 +122,8 @@ def unmodelled(
     return lines
 
 
-def describe(rows: Sequence[RoundComparison], v: Verdict) -> list[str]:
+def describe(v: Verdict) -> list[str]:
+    """The round table, time-to-accuracy in both worlds, and the host-bound warning when there is one."""
     lines = [round_table(v)]
     for world, tta, acc in (
         ("simulator", v.tta_simulated_s, v.accuracy_simulated),
@@ -231,7 +231,7 @@ def run_mixed(a: argparse.Namespace) -> int:
         f"dropouts (left holding a task, result never sent): fleet {dropouts}, simulator "
         f"{sum(len(o.dropped) for o in simulated)}"
     )
-    for line in describe(rows, v):
+    for line in describe(v):
         print(line)
     for line in unmodelled(v, fleet["metrics"], summary_counters):
         print(line)

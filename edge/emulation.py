@@ -22,6 +22,7 @@ from nestling.profiler.speed import (
     samples_trained,
     task_training_flops,
 )
+from nestling.profiler.traces import DeviceTrace
 from nestling.spec import SubmodelSpec
 
 
@@ -73,7 +74,7 @@ class EmulationTarget:
     slowdown: tuple[tuple[int, int, float], ...] = ()
     # `--emulate-availability`: the trace device (its clock already scaled) whose windows the agent leaves and
     # returns by (edge/emulated_availability.py); None: always online.
-    availability: Any = None
+    availability: DeviceTrace | None = None
 
     @classmethod
     def of_board(cls, board: Any) -> EmulationTarget:

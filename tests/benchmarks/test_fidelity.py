@@ -163,7 +163,7 @@ def test_time_to_accuracy_and_accuracy_at_equal_time() -> None:
     assert fc.final_line(bound, 4, 2).endswith(
         "median_abs_err=host_bound worst_err=host_bound tta_err=host_bound same_selection=3/3"
     )
-    assert "HOST-BOUND" in "\n".join(fidelity_mixed.describe(bound.rows, bound))
+    assert "HOST-BOUND" in "\n".join(fidelity_mixed.describe(bound))
 
 
 def test_departures_and_returns_are_checked_against_the_windows() -> None:
