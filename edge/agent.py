@@ -161,7 +161,7 @@ class Agent:
         if self.availability is not None:
             self.availability.on_announcement(status.phase)
         if self.interruption is not None and status.phase in CLOSED_PHASES and status.round is not None:
-            self.interruption.round_closed(status.round)
+            self.interruption.round_closed(status.round, status.session)
         greet = self.profiling.for_plan(status.plan)
         if status.session != self.server_session:  # a server process we have not greeted yet
             self.server_session = status.session

@@ -65,7 +65,7 @@ class AgentTraining:
         if self.interruption is None:
             self._run(job)
             return
-        skip = self.interruption.begin(job.task.round, job.received)
+        skip = self.interruption.begin(job.task.round, job.received, job.session)
         try:
             if skip is not None:
                 log.info("round %d: %s not trained: %s", job.task.round, job.task.task_id, skip)

@@ -43,18 +43,21 @@ class TaskInterruption:
         self.task_round: int | None = None
         self.reason: str | None = None
         self.left_at = -math.inf  # monotonic time the board last left
-        self.closed_through = -1  # the newest round the server announced closed
+        self.task_session: str | None = None
+        self.closed: dict[str, int] = {}  # server session -> the newest round it announced closed
 
-    def begin(self, round_index: int, received: float) -> str | None:
-        """A task of `round_index` (its download began at `received`) starts; why it must not, if so."""
+    def begin(self, round_index: int, received: float, session: str) -> str | None:
+        """A task of `round_index` from server `session` (its download began at `received`) starts; why it
+        must not, if so."""
         with self._lock:
             self._event.clear()
             if received <= self.left_at:
                 self.task_round, self.reason = None, "it arrived before the board left"
-            elif round_index <= self.closed_through:
+            elif self.closed.get(session, -1) >= round_index:
                 self.task_round, self.reason = None, "its round closed"
             else:
                 self.task_round, self.reason = round_index, None
+                self.task_session = session
             return self.reason
 
     def end(self) -> None:
@@ -67,11 +70,16 @@ class TaskInterruption:
             self.left_at = time.monotonic()
             self._stop("the board left (its availability window closed)")
 
-    def round_closed(self, round_index: int) -> None:
-        """The server closed `round_index`: a task of that round is a cancelled straggler's."""
+    def round_closed(self, round_index: int, session: str) -> None:
+        """Server `session` closed `round_index`: a task of that round is a cancelled straggler's (another
+        session's rounds, e.g. a retained status left by an earlier run, do not count)."""
         with self._lock:
-            self.closed_through = max(self.closed_through, round_index)
-            if self.task_round is not None and self.task_round <= round_index:
+            self.closed[session] = max(self.closed.get(session, -1), round_index)
+            if (
+                self.task_round is not None
+                and self.task_session == session
+                and self.task_round <= round_index
+            ):
                 self._stop("its round closed")
 
     def _stop(self, reason: str) -> None:

@@ -43,22 +43,25 @@ SCALE = 7200.0  # two trace hours a wall second
 def test_an_interruption_stops_only_its_own_task() -> None:
     stopping = threading.Event()
     cut = TaskInterruption(stopping)
-    assert cut.begin(3, received=time.monotonic()) is None
-    cut.round_closed(2)  # an older round closing is not ours
+    assert cut.begin(3, time.monotonic(), "s1") is None
+    cut.round_closed(2, "s1")  # an older round closing is not ours
+    cut.round_closed(3, "s0")  # nor is another server session's round 3 (a retained status of an earlier run)
     assert not cut.interrupted and cut.sleep(0.01) is False
-    cut.round_closed(3)
+    cut.round_closed(3, "s1")
     assert cut.interrupted and cut.reason == "its round closed"
     started = time.monotonic()
     assert cut.sleep(5.0) is True and time.monotonic() - started < 0.5  # the pacer's sleep is cut short
     cut.end()
-    assert cut.begin(3, received=time.monotonic()) == "its round closed"  # a queued task of a closed round
+    assert cut.begin(3, time.monotonic(), "s1") == "its round closed"  # a queued task of a closed round
+    assert cut.begin(3, time.monotonic(), "s2") is None  # a new server session starts its rounds afresh
+    cut.end()
     received = time.monotonic()
-    assert cut.begin(4, received) is None
+    assert cut.begin(4, received, "s1") is None
     cut.departed()
     assert cut.reason is not None and "left" in cut.reason
     cut.end()
-    assert cut.begin(5, received) == "it arrived before the board left"
-    assert cut.begin(5, time.monotonic() + 1e-3) is None
+    assert cut.begin(5, received, "s1") == "it arrived before the board left"
+    assert cut.begin(5, time.monotonic() + 1e-3, "s1") is None
 
 
 def test_availability_needs_a_trace_device_and_a_positive_scale(tmp_path: Path) -> None:
