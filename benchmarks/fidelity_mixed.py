@@ -22,6 +22,7 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.fidelity --mixed
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import tempfile
@@ -31,7 +32,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fidelity import run_fleet, run_simulator
+from benchmarks.fidelity import read_jsonl, run_fleet, run_simulator
 from benchmarks.fidelity_compare import (
     Verdict,
     comings_and_goings,
@@ -143,23 +144,18 @@ def describe(v: Verdict) -> list[str]:
     return lines
 
 
+def replay_fingerprint(a: argparse.Namespace, trace_path: Path) -> str:
+    """What makes two replays the same: every setting but where and how long to run, and the trace itself."""
+    settings = {k: v for k, v in vars(a).items() if k not in ("out", "replay_only", "timeout", "settle")}
+    return json.dumps({**settings, "trace": trace_path.read_text()}, sort_keys=True, default=str)
+
+
 def replay_once(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[str, Any]:
     """The replay, or the one already in `out` from the same settings and trace (virtual time does not
     depend on this host's load, so `--replay-only` can run it before the box is quiet)."""
-    import json
-
-    fingerprint = json.dumps(
-        {
-            **{k: v for k, v in vars(a).items() if k not in ("out", "replay_only", "timeout", "settle")},
-            "trace": trace_path.read_text(),
-        },
-        sort_keys=True,
-        default=str,
-    )
+    fingerprint = replay_fingerprint(a, trace_path)
     stamp = out / "replay-settings.json"
     if stamp.exists() and stamp.read_text() == fingerprint and (out / "timeline.jsonl").exists():
-        from benchmarks.fidelity import read_jsonl
-
         print(f"reusing the replay in {out} (same settings and trace)")
         return {
             "metrics": read_jsonl(out / "metrics.jsonl"),
@@ -246,8 +242,6 @@ def run_mixed(a: argparse.Namespace) -> int:
 
 
 def _fleet_counters(out: Path) -> dict[str, Any]:
-    import json
-
     path = out / "summary.json"
     if not path.exists():
         return {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -209,3 +210,25 @@ def test_a_tiny_mixed_fleet_comes_and_goes_in_both_worlds(tmp_path, capsys: pyte
     windows = re.search(r"windows: (\d+) departures and returns by the agents, each within ([\d.]+) s", out)
     assert windows and int(windows.group(1)) >= 1 and float(windows.group(2)) < 0.5
     assert "reaches" in out and "server time between rounds" in out
+
+
+def test_a_replay_is_reused_only_for_the_same_settings_and_trace(
+    tmp_path, capsys: pytest.CaptureFixture
+) -> None:
+    a = fidelity.argparse.Namespace(
+        **{**fidelity_mixed.MIXED_DEFAULTS, "out": tmp_path, "replay_only": False}
+    )
+    trace = tmp_path / "fleet.jsonl"
+    trace.write_text('{"device_id": "a"}\n')
+    sim = tmp_path / "sim"
+    sim.mkdir()
+    (sim / "metrics.jsonl").write_text(json.dumps(metrics_row(0, 0.0, 4.0, 0.5)) + "\n")
+    (sim / "timeline.jsonl").write_text(json.dumps({"round": 0, "device_id": "a", "outcome": "used"}) + "\n")
+    (sim / "replay-settings.json").write_text(fidelity_mixed.replay_fingerprint(a, trace))
+    reused = fidelity_mixed.replay_once(a, trace, sim)
+    assert reused["timeline"][0]["device_id"] == "a" and "reusing the replay" in capsys.readouterr().out
+    other = fidelity.argparse.Namespace(**{**vars(a), "deadline": 99.0, "out": tmp_path / "elsewhere"})
+    assert fidelity_mixed.replay_fingerprint(other, trace) != fidelity_mixed.replay_fingerprint(a, trace)
+    assert fidelity_mixed.replay_fingerprint(
+        fidelity.argparse.Namespace(**{**vars(a), "out": None, "settle": 9}), trace
+    ) == fidelity_mixed.replay_fingerprint(a, trace)  # where and how patiently to run do not matter
