@@ -168,6 +168,19 @@ def replay_once(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[str,
     return sim
 
 
+def host_speeds(
+    emulation: Mapping[int, Mapping[str, Mapping[str, float]]], gflops: Mapping[str, float]
+) -> list[float]:
+    """GFLOP/s this host trained each task at (the board's FLOPs over the host's own training seconds), with
+    as many tasks training at once as the run had: what decides which classes it can emulate."""
+    rates = []
+    for by_device in emulation.values():
+        for device, figures in by_device.items():
+            if figures["host_s"] > 0 and device in gflops:
+                rates.append(figures["compute_s"] * gflops[device] / figures["host_s"])
+    return sorted(rates)
+
+
 def _dropped(sim: Mapping[str, Any]) -> int:
     return sum(row["outcome"] == "dropped" for row in sim["timeline"])
 
@@ -219,6 +232,12 @@ def run_mixed(a: argparse.Namespace) -> int:
         f"simulator: {sim['seconds']:.1f} s; fleet: {fleet['seconds']:.1f} s wall ({fleet['agents_ready_s']:.1f} s "
         f"starting {a.devices} agents)"
     )
+    rates = host_speeds(fleet["emulation"], {device_id(i): t.gflops for i, t in enumerate(traces)})
+    if rates:
+        print(
+            f"host: trained {len(rates)} tasks at {rates[0]:.1f}-{rates[-1]:.1f} GFLOP/s "
+            f"(median {statistics.median(rates):.1f}) with up to {math.ceil(a.per_round * a.over_selection)} at once"
+        )
     print(
         f"windows: {len(deviations)} departures and returns by the agents, each within "
         f"{max(deviations, default=0.0):.3f} s of its trace's window edge (scaled clock)"

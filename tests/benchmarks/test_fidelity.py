@@ -232,3 +232,8 @@ def test_a_replay_is_reused_only_for_the_same_settings_and_trace(
     assert fidelity_mixed.replay_fingerprint(
         fidelity.argparse.Namespace(**{**vars(a), "out": None, "settle": 9}), trace
     ) == fidelity_mixed.replay_fingerprint(a, trace)  # where and how patiently to run do not matter
+
+
+def test_the_hosts_training_speed_is_read_from_the_emulation_lines() -> None:
+    emulation = {0: {"a": {"compute_s": 2.0, "host_s": 1.0}, "b": {"compute_s": 3.0, "host_s": 0.0}}}
+    assert fidelity_mixed.host_speeds(emulation, {"a": 4.0, "b": 1.0}) == [8.0]  # b: no training measured
