@@ -28,6 +28,8 @@ log = logging.getLogger("nestling.agent")
 # The server's phases that announce its round closed ("waiting" names the round about to start).
 CLOSED_PHASES = ("aggregating", "done")
 
+_LONGEST_SLEEP_S = 60.0  # a last window "forever" (1e12 s) would overflow threading's timeout
+
 # A window must stay open this long (wall seconds) to be worth reconnecting for, as the replay ignores
 # zero-length windows.
 _SHORTEST_STAY_S = 1e-3
@@ -149,20 +151,24 @@ class EmulatedAvailability:
                     )
                 if not math.isfinite(back):
                     return  # never online again: the board stays away
-                if self._wait(back - now):
-                    return
+                if back > now:
+                    if self._wait(back - now):
+                        return
+                    continue
                 self._return()
             else:
                 leave = self.trace.available_until(now)
                 if not math.isfinite(leave):
                     return  # online from here on
-                if leave > now and self._wait(leave - now):
-                    return
+                if leave > now:
+                    if self._wait(leave - now):
+                        return
+                    continue
                 self._leave()
 
     def _wait(self, seconds: float) -> bool:
-        """Sleep on the wall clock; True when the agent stops meanwhile."""
-        return self._stopping.wait(max(0.0, seconds))
+        """Sleep on the wall clock (a minute at most, then the caller looks again); True when the agent stops."""
+        return self._stopping.wait(min(max(0.0, seconds), _LONGEST_SLEEP_S))
 
     def _leave(self) -> None:
         self.away = True

@@ -150,3 +150,44 @@ def _next_status(server: Server, match) -> float:
         if channel == "status" and match(bytes(payload)):
             return at
     raise AssertionError("no matching status")
+
+
+class RecordingLink:
+    """Stands in for AgentLink's two calls the schedule makes; the real link is exercised above."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+        self.started = time.monotonic()
+
+    def leave(self) -> None:
+        self.calls.append(("leave", time.monotonic() - self.started))
+
+    def start(self) -> None:
+        self.calls.append(("start", time.monotonic() - self.started))
+
+
+def test_the_schedule_skips_empty_windows_and_ends_online_for_good() -> None:
+    from nestling.edge.emulated_availability import EmulatedAvailability
+
+    trace = DeviceTrace(
+        "t",
+        "rpi3b",
+        2**30,
+        1e6,
+        1e6,
+        0.0,
+        gflops=1.0,
+        availability=((0.0, 0.2), (0.3, 0.3), (0.45, 0.6), (0.8, 1e12)),  # (0.3, 0.3): an instant, skipped
+    )
+    stopping = threading.Event()
+    link = RecordingLink()
+    follow = EmulatedAvailability(trace, link, TaskInterruption(stopping), stopping)  # type: ignore[arg-type]
+    follow.on_announcement("waiting")
+    assert follow.epoch is None  # only a training round starts the clock
+    follow.on_announcement("training")
+    time.sleep(1.2)
+    stopping.set()
+    assert [kind for kind, _ in link.calls] == ["leave", "start", "leave", "start"]
+    for (_, at), expected in zip(link.calls, (0.2, 0.45, 0.6, 0.8), strict=True):
+        assert expected - 0.01 < at < expected + 0.15, link.calls
+    assert follow.departures == 2 and not follow.away
