@@ -48,8 +48,11 @@ from benchmarks.fidelity_compare import (
 MIXED_MIX = "rpi3b:1,rpi-zero2w:1,rpi4:1,jetson-nano-cpu:1"
 MIXED_DEFAULTS: dict[str, Any] = {
     "devices": 12,
-    "per_round": 2,
-    "over_selection": 1.5,  # three devices asked, the first two results used
+    # Two devices asked, the first result used: two trainings at once is what this 2-core host can run at the
+    # fast classes' speed (with three at once it trained at 5-21 GFLOP/s, median 8, and fell 1-3 s behind the
+    # 10-12.5 GFLOP/s Pi 4s and Nano CPUs in 10 of 12 rounds, 2026-11-26 20:10 at load 3-6).
+    "per_round": 1,
+    "over_selection": 2.0,
     "rounds": 12,
     "mix": MIXED_MIX,
     "deadline": 15.0,
