@@ -133,7 +133,7 @@ def shared_config(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
         "run": {
             "rounds": a.rounds,
             "seed": a.seed,
-            "over_selection": 1.0,
+            "over_selection": getattr(a, "over_selection", 1.0),
             "quorum": 1.0,
             "deadline_s": a.deadline,
             "eval_every": 1,
@@ -182,6 +182,8 @@ def run_simulator(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[st
         if took > slowest.get(row["round"], (-1.0, ""))[0]:
             slowest[row["round"]] = (took, f"{row['device_id']} ({row['device_class']})")
     return {
+        "metrics": read_jsonl(out / "metrics.jsonl"),
+        "timeline": timeline,
         "durations": round_durations(read_jsonl(out / "metrics.jsonl")),
         "devices": devices,
         "slowest": {r: name for r, (_, name) in slowest.items()},
@@ -203,7 +205,13 @@ def toml_tables(tables: Mapping[str, Mapping[str, Any]]) -> str:
     )
 
 
-def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: Path) -> dict[str, Any]:
+def run_fleet(
+    a: argparse.Namespace,
+    traces: list[Any],
+    trace_path: Path,
+    work: Path,
+    agent_flags: Sequence[str] = (),
+) -> dict[str, Any]:
     from nestling.server.broker import find_free_port, wait_for_port
     from nestling.simulator.fleetdata import device_id
 
@@ -217,7 +225,7 @@ def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: 
             {
                 "broker": broker_table,
                 "fleet": {"devices": a.devices, "registration_timeout_s": 300.0, "heartbeat_timeout_s": 60.0},
-                "enrolment": {"devices": [device_id(i) for i in range(a.devices)]},
+                "enrolment": {"devices": [device_id(i) for i in range(len(traces))]},
                 "run": {**shared["run"], "out_dir": "fleet"},
                 "data": shared["data"],
                 "model": shared["model"],
@@ -272,6 +280,7 @@ def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: 
                     str(trace_path),
                     "--emulate-device",
                     trace.device_id,
+                    *agent_flags,
                 ],
             )
         # Let the agents finish starting (imports, data, warm-up) before the server's first round begins.
@@ -301,11 +310,16 @@ def run_fleet(a: argparse.Namespace, traces: list[Any], trace_path: Path, work: 
             log.close()
     out = work / "fleet"
     emulation: dict[int, dict[str, dict[str, float]]] = {}
-    for i in range(len(traces)):
-        for r, figures in parse_agent_log((work / f"agent-{i}.log").read_text(errors="replace")).items():
-            emulation.setdefault(r, {})[device_id(i)] = figures
+    agent_logs = {
+        device_id(i): (work / f"agent-{i}.log").read_text(errors="replace") for i in range(len(traces))
+    }
+    for device, text in agent_logs.items():
+        for r, figures in parse_agent_log(text).items():
+            emulation.setdefault(r, {})[device] = figures
     summary = json.loads((out / "summary.json").read_text())
     return {
+        "metrics": read_jsonl(out / "metrics.jsonl"),
+        "agent_logs": agent_logs,
         "durations": round_durations(read_jsonl(out / "metrics.jsonl")),
         "emulation": emulation,
         "emulated": summary.get("emulated", {}),
@@ -337,7 +351,45 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="give the fleet run up to this long")
     parser.add_argument("--out", type=Path, help="keep the trace, both runs and every log here")
+    parser.add_argument(
+        "--mixed",
+        action="store_true",
+        help="four board classes with churn: dropouts, availability windows, over-selection, a deadline and "
+        "time-to-accuracy (benchmarks/fidelity_mixed.py; its own defaults, listed there)",
+    )
+    parser.add_argument("--over-selection", type=float, default=1.0)
+    parser.add_argument("--churn", type=float, default=0.5, help="--mixed: share of devices that come and go")
+    parser.add_argument(
+        "--online-h", type=float, default=2.0, help="--mixed: mean online session (trace hours)"
+    )
+    parser.add_argument(
+        "--offline-h", type=float, default=1.0, help="--mixed: mean offline gap (trace hours)"
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=240.0, help="--mixed: trace seconds per wall second"
+    )
+    parser.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="--mixed: run (or reuse) only the replay in --out; a later run with the same settings reuses it",
+    )
+    parser.add_argument(
+        "--target-share",
+        type=float,
+        default=0.9,
+        help="--mixed: target accuracy = this share of the lower of both worlds' best accuracies",
+    )
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--mixed" in argv:
+        from benchmarks.fidelity_mixed import MIXED_DEFAULTS
+
+        parser.set_defaults(**MIXED_DEFAULTS)
     a = parser.parse_args(argv)
+    if a.mixed:
+        from benchmarks.fidelity_mixed import run_mixed
+
+        return run_mixed(a)
 
     from nestling.profiler.traces import save_traces
     from nestling.simulator.generate import generate_fleet

@@ -27,6 +27,7 @@ from nestling.edge.agent_presence import AgentPresence
 from nestling.edge.agent_profiling import AgentProfiling
 from nestling.edge.agent_state_file import AgentStateFile
 from nestling.edge.agent_training import AgentTraining, warm_up
+from nestling.edge.emulated_availability import CLOSED_PHASES, EmulatedAvailability, TaskInterruption
 from nestling.edge.emulation import EmulationTarget
 from nestling.edge.monitor import ResourceMonitor
 from nestling.edge.procedures import ClientData
@@ -72,6 +73,13 @@ class Agent:
         self.uploads = ResultUploads(self.link, limits.chunk_kb * 1024)
         self.downloads = AgentDownloads(self.link, limits.max_message_mb * 1024 * 1024, limits.stall_s)
         self.jobs = AgentJobs(self._stop)
+        # An emulated board stops a task when it leaves or the task's round closes (edge/emulated_availability.py).
+        self.interruption = None if emulation is None else TaskInterruption(self._stop)
+        self.availability = (
+            None
+            if emulation is None or emulation.availability is None or self.interruption is None
+            else EmulatedAvailability(emulation.availability, self.link, self.interruption, self._stop)
+        )
         self.training = AgentTraining(
             data,
             config.device.torch_device,
@@ -82,6 +90,7 @@ class Agent:
             self.uploads,
             emulation,
             self._stop,
+            self.interruption,
         )
         self.exports = AgentExports(self.link, self.presence, config)
 
@@ -169,6 +178,10 @@ class Agent:
             log.warning("the server went offline; waiting for it to come back")
             return
         status = decode_server_status(payload)
+        if self.availability is not None:
+            self.availability.on_announcement(status.phase)
+        if self.interruption is not None and status.phase in CLOSED_PHASES and status.round is not None:
+            self.interruption.round_closed(status.round, status.session)
         greet = self.profiling.for_plan(status.plan)
         if status.session != self.server_session:  # a server process we have not greeted yet
             self.server_session = status.session

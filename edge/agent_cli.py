@@ -103,15 +103,42 @@ def apply_emulation_flags(
         device.emulate, device.emulate_trace, device.emulate_device = None, str(trace), device_id
 
 
+def with_availability(
+    emulation: EmulationTarget | None, device: DeviceSection, time_scale: float | None
+) -> EmulationTarget | None:
+    """`--emulate-availability [--emulate-time-scale S]`: the emulated trace device also leaves and returns as
+    its windows say, its clock running S trace seconds a wall second (edge/emulated_availability.py)."""
+    if emulation is None or emulation.trace_device is None or device.emulate_trace is None:
+        raise ConfigError(
+            "--emulate-availability needs --emulate-trace and --emulate-device (the windows are a trace's)"
+        )
+    from nestling.profiler.traces import load_traces, time_scaled
+
+    trace = next(t for t in load_traces(device.emulate_trace) if t.device_id == emulation.trace_device)
+    try:
+        scaled = time_scaled(trace, 1.0 if time_scale is None else time_scale)
+    except ConfigError as exc:
+        raise ConfigError(f"--emulate-time-scale: {exc}") from None
+    return replace(emulation, availability=scaled)
+
+
 def _run(
     config_path: Path,
     emulate: str | None = None,
     emulate_trace: Path | None = None,
     emulate_device: str | None = None,
+    availability: bool = False,
+    time_scale: float | None = None,
 ) -> int:
     config = load_agent_config(config_path)
     apply_emulation_flags(config, emulate, emulate_trace, emulate_device)
     emulation = resolve_emulation(config.device)
+    if time_scale is not None and not availability:
+        raise ConfigError(
+            "--emulate-time-scale scales the availability windows: give --emulate-availability too"
+        )
+    if availability:
+        emulation = with_availability(emulation, config.device, time_scale)
     torch.set_num_threads(config.device.threads)  # more threads than cores collapses training throughput
     data = load_client_data(config.data)
     agent = Agent(config, data, emulation=emulation).start()
@@ -175,6 +202,19 @@ def agent_main(argv: list[str]) -> int:
         "--emulate-device", metavar="ID", default=None, help="the trace's device_id to emulate"
     )
     parser.add_argument(
+        "--emulate-availability",
+        action="store_true",
+        help="with --emulate-trace: leave the broker and return as the trace device's availability windows "
+        "say (its clock starts at the fleet's first round); a task held when leaving is abandoned",
+    )
+    parser.add_argument(
+        "--emulate-time-scale",
+        metavar="S",
+        type=float,
+        default=None,
+        help="run the trace's clock S times faster than the wall clock (a day of windows in 86400/S s)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -193,7 +233,14 @@ def agent_main(argv: list[str]) -> int:
                 f"wrote {path}\nenable it: sudo systemctl daemon-reload && sudo systemctl enable --now {UNIT_NAME}"
             )
             return 0
-        return _run(args.config, args.emulate, args.emulate_trace, args.emulate_device)
+        return _run(
+            args.config,
+            args.emulate,
+            args.emulate_trace,
+            args.emulate_device,
+            args.emulate_availability,
+            args.emulate_time_scale,
+        )
     except NestlingError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

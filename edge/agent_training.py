@@ -17,6 +17,7 @@ from nestling.edge.agent_jobs import TrainJob
 from nestling.edge.agent_presence import AgentPresence
 from nestling.edge.agent_profiling import AgentProfiling
 from nestling.edge.agent_state_file import AgentStateFile
+from nestling.edge.emulated_availability import TaskInterruption
 from nestling.edge.emulation import EmulationTarget, TaskPacer
 from nestling.edge.procedures import ClientData, DeviceStore
 from nestling.edge.result_uploads import ResultUploads
@@ -42,6 +43,7 @@ class AgentTraining:
         uploads: ResultUploads,
         emulation: EmulationTarget | None,
         stopping: threading.Event,
+        interruption: TaskInterruption | None = None,
     ) -> None:
         self.data = data
         self.torch_device = torch_device
@@ -53,19 +55,51 @@ class AgentTraining:
         self.emulation = (
             emulation  # `nestling agent --emulate`: behave like a slower board (edge/emulation.py)
         )
-        self.pacer = (
-            None if emulation is None else TaskPacer(emulation, tuple(data.x.shape[1:]), sleep=stopping.wait)
-        )
+        self.interruption = interruption  # an emulated board stops a task when it leaves or the round closes
+        sleep = stopping.wait if interruption is None else interruption.sleep
+        self.pacer = None if emulation is None else TaskPacer(emulation, tuple(data.x.shape[1:]), sleep=sleep)
         self.current: tuple[str, str] | None = None
         self.results_sent = 0
 
     def run(self, job: TrainJob) -> None:
+        if self.interruption is None:
+            self._run(job)
+            return
+        skip = self.interruption.begin(job.task.round, job.received, job.session)
+        try:
+            if skip is not None:
+                log.info("round %d: %s not trained: %s", job.task.round, job.task.task_id, skip)
+                return
+            self._run(job)
+        finally:
+            self.interruption.end()
+
+    def _abandoned(self, task: Task, when: str) -> bool:
+        """True (and logged) when the emulated board must stop this task: it left, or the round closed."""
+        if self.interruption is None or not self.interruption.interrupted:
+            return False
+        pacing = None if self.pacer is None else self.pacer.pacing.get(task.task_id)
+        if pacing is not None and self.emulation is not None:  # what the host managed before it stopped
+            log.info("%s", pacing.line(task.round, self.emulation.name))
+        log.info(
+            "round %d: abandoned %s %s: %s; no result is sent",
+            task.round,
+            task.task_id,
+            when,
+            self.interruption.reason,
+        )
+        return True
+
+    def _run(self, job: TrainJob) -> None:
         task, session = job.task, job.session
         self.presence.state, self.presence.round = "training", task.round
         self.current = (task.task_id, session)
         self.presence.heartbeat()
         if self.pacer is not None:  # the emulated board is still downloading the task
             self.pacer.download(task, job.received)
+            if self._abandoned(task, "while downloading"):
+                self.presence.state, self.current = "online", None
+                return
         started = time.monotonic()
         try:
             result = run_task(task, self.data, self.store, self.torch_device)
@@ -83,6 +117,8 @@ class AgentTraining:
             return
         finally:
             self.presence.state, self.current = "online", None
+        if self._abandoned(task, "while training"):
+            return
         trained = time.monotonic()
         result.metrics["train_wall_s"] = trained - started  # what the board took (padded when emulating)
         self.state_file.save(self.store)
@@ -90,6 +126,9 @@ class AgentTraining:
         frames = self.uploads.prepare(payload, task, session)
         if self.pacer is not None:  # the result leaves when the emulated board's upload would be done
             self._pace_upload(result, trained)
+            if self._abandoned(task, "while uploading"):
+                self.uploads.sent = None  # not kept for a resend either: it never left the board
+                return
         self.uploads.send(frames)
         self.results_sent += 1
         memory = self.presence.monitor.memory.reading()

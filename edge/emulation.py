@@ -22,6 +22,7 @@ from nestling.profiler.speed import (
     samples_trained,
     task_training_flops,
 )
+from nestling.profiler.traces import DeviceTrace
 from nestling.spec import SubmodelSpec
 
 
@@ -71,6 +72,9 @@ class EmulationTarget:
     # Injected slowdowns ([device] emulate_slowdown): (first round, round after the last, factor) — a board
     # that throttles or shares its CPU for a while, to watch the server re-plan it.
     slowdown: tuple[tuple[int, int, float], ...] = ()
+    # `--emulate-availability`: the trace device (its clock already scaled) whose windows the agent leaves and
+    # returns by (edge/emulated_availability.py); None: always online.
+    availability: DeviceTrace | None = None
 
     @classmethod
     def of_board(cls, board: Any) -> EmulationTarget:

@@ -101,7 +101,7 @@ class BoardClass:
 def _board(
     name: str,
     description: str,
-    ram_gib: int,
+    ram_gib: float,
     budget_fraction: float,
     *,
     kind: str,
@@ -113,7 +113,7 @@ def _board(
     network: NetworkProfile,
     sources: tuple[str, ...],
 ) -> BoardClass:
-    ram = ram_gib * GIB
+    ram = int(ram_gib * GIB)
     return BoardClass(
         name=name,
         description=description,
@@ -167,6 +167,62 @@ _BOARDS = (
         sources=(
             f"{_DEVICES_MD} §1 Raspberry Pi 5 (4x A76 @2.4 GHz V[4]; RAM 2/4/8/16 GB V[4][5])",
             "[6] geerlingguy/top500-benchmark#18: HPL 30.25 GFLOPS at 11 W (V)",
+        ),
+    ),
+    _board(
+        "rpi3b",
+        "Raspberry Pi 3 B, 1 GB (BCM2837, CPU training)",
+        1,
+        BOARD_BUDGET_FRACTION,
+        kind="board",
+        compute_unit="cpu",
+        peak_gflops_fp32=19.2,
+        peak_derivation="4 cores x 1.2 GHz x 4 FP32 FLOP/cycle (Cortex-A53: one 64-bit NEON FMA a cycle, "
+        "the per-core rate phone-low uses for its A53s; R) = 19.2 D",
+        utilisation=CPU_UTILISATION,
+        power_w=4.0,
+        network=FIXED_BROADBAND,
+        sources=(
+            "Raspberry Pi 3 B: 4x Cortex-A53 @1.2 GHz, 1 GB (raspberrypi.com product page, quoted in "
+            "pietern/goestools#117: 'The Pi3 is 1.2GHz ... the Pi3's 1GB', R)",
+            "4 W under load: typical of the board with a 2.5 A supply (R)",
+        ),
+    ),
+    _board(
+        "rpi-zero2w",
+        "Raspberry Pi Zero 2 W, 512 MB (RP3A0 = BCM2710A1, CPU training)",
+        0.5,
+        BOARD_BUDGET_FRACTION,
+        kind="board",
+        compute_unit="cpu",
+        peak_gflops_fp32=16.0,
+        peak_derivation="4 cores x 1.0 GHz x 4 FP32 FLOP/cycle (Cortex-A53, as rpi3b; R) = 16 D",
+        utilisation=CPU_UTILISATION,
+        power_w=3.0,
+        network=FIXED_BROADBAND,
+        sources=(
+            "Raspberry Pi Zero 2 W: quad-core Cortex-A53 @1 GHz, 512 MB LPDDR2 in the RP3A0 package "
+            "(raspberrypi.com product page, quoted in TechnologyClassroom/RaspberryPiProgrammingWorkshop#19 "
+            "and c0pperdragon/Amiga-Digital-Video#58, R)",
+            "3 W under load: typical of the board (R)",
+        ),
+    ),
+    _board(
+        "jetson-nano-cpu",
+        "Jetson Nano 4 GB training on its CPU (4x Cortex-A57; no CUDA build of PyTorch)",
+        4,
+        BOARD_BUDGET_FRACTION,
+        kind="board",
+        compute_unit="cpu",
+        peak_gflops_fp32=45.76,
+        peak_derivation="4 cores x 1.43 GHz x 8 FP32 FLOP/cycle (Cortex-A57: two 64-bit NEON FMA pipes, "
+        "as the A72 of rpi4; R) = 45.76 D",
+        utilisation=CPU_UTILISATION,
+        power_w=10.0,
+        network=FIXED_BROADBAND,
+        sources=(
+            f"{_DEVICES_MD} §1 Jetson Nano (4x Cortex-A57 @1.43 GHz R; 4 GB LPDDR4 V[9])",
+            "power: 10 W maximum power mode (NVIDIA documentation, R)",
         ),
     ),
     _board(

@@ -358,3 +358,19 @@ def save_traces(traces: Iterable[DeviceTrace], path: str | Path) -> None:
                     for name, value in record.items()
                 }
             )
+
+
+def time_scaled(trace: DeviceTrace, factor: float) -> DeviceTrace:
+    """The trace with its clock run `factor` times faster: availability windows, period and budget changes
+    at t / factor; speeds and links unchanged (a day of churn replayed in minutes by the same boards)."""
+    factor = _number("time scale", factor)
+    if factor == 1.0:
+        return trace
+    record = trace.to_record()
+    if trace.availability:
+        record["availability"] = [[start / factor, end / factor] for start, end in trace.availability]
+    if trace.period_s is not None:
+        record["period_s"] = trace.period_s / factor
+    if trace.budget_schedule:
+        record["budget_schedule"] = [[t / factor, budget] for t, budget in trace.budget_schedule]
+    return DeviceTrace.from_record(record)

@@ -68,6 +68,7 @@ DAILY_PATTERNS: Mapping[str, DailyPattern] = {
     "laptop": DailyPattern(0.0, start_hour=9.0, start_sd_hours=1.0, length_hours=8.0, length_sd_hours=1.5),
 }
 _SHORTEST_WINDOW_S = 1.0 * HOUR_S
+_FOREVER_S = 1e12  # the last window of a churning device: online from then on
 _LONGEST_WINDOW_S = 23.0 * HOUR_S
 
 
@@ -207,3 +208,46 @@ def traces_generate_main(argv: Sequence[str] | None = None) -> int:
     summary = ", ".join(f"{name}: {count}" for name, count in counts.items())
     print(f"wrote {len(traces)} synthetic devices ({summary}) to {args.out}")
     return 0
+
+
+def with_sessions(
+    traces: Sequence[DeviceTrace],
+    share: float,
+    mean_online_s: float,
+    mean_offline_s: float,
+    horizon_s: float,
+    seed: int,
+) -> list[DeviceTrace]:
+    """Churn: a seeded `share` of the devices alternate online and offline sessions of exponential lengths
+    (means given, in trace seconds) up to `horizon_s`, then stay online; the others keep their windows.
+
+    Every churning device starts online, so a fleet whose agents all register before its first round
+    meets the trace at t = 0 (the emulated agents take their trace clock from that round's start)."""
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"[fleet] churn share must lie in [0, 1], got {share!r}")
+    for name, value in (("mean_online_s", mean_online_s), ("mean_offline_s", mean_offline_s)):
+        if not value > 0:
+            raise ConfigError(f"[fleet] churn {name} must be > 0, got {value!r}")
+    rng = np.random.default_rng(seed)
+    churning = set(rng.permutation(len(traces))[: round(share * len(traces))].tolist())
+    out = []
+    for i, trace in enumerate(traces):
+        if i not in churning:
+            out.append(trace)
+            continue
+        windows: list[tuple[float, float]] = []
+        t = 0.0
+        while True:
+            end = t + float(rng.exponential(mean_online_s))
+            if end >= horizon_s:
+                windows.append((round(t, 3), _FOREVER_S))
+                break
+            windows.append((round(t, 3), round(end, 3)))
+            t = end + float(rng.exponential(mean_offline_s))
+            if t >= horizon_s:
+                windows.append((round(t, 3), _FOREVER_S))
+                break
+        record = {**trace.to_record(), "availability": [list(w) for w in windows]}
+        record.pop("period_s", None)
+        out.append(DeviceTrace.from_record(record))
+    return out

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from benchmarks import fidelity
+from benchmarks import fidelity, fidelity_compare, fidelity_mixed
 from nestling.edge.emulation import TaskPacing
 
 
@@ -97,3 +98,141 @@ def test_a_tiny_replay_runs_in_both_worlds(tmp_path, capsys: pytest.CaptureFixtu
         float, re.fullmatch(r"median_abs_err=(\S+) worst_err=(\S+)", out.strip().splitlines()[-1]).groups()
     )
     assert 0 <= median <= worst < 1.0  # two short rounds: only that the runs line up, not the 10 % goal
+
+
+# -- --mixed: rounds compared by their sets, time-to-accuracy, host-bound rounds -----------------------------
+def metrics_row(r: int, start: float, end: float, acc: float, plans: dict | None = None) -> dict:
+    return {
+        "round": r,
+        "dispatched_at": start,
+        "closed_at": end,
+        "submodels": [{"name": "full", "accuracy": acc}],
+        "plans": plans or {},
+    }
+
+
+def test_replay_and_fleet_rounds_are_read_into_the_same_sets() -> None:
+    from benchmarks import fidelity_compare as fc
+
+    timeline = [
+        {"round": 0, "device_id": "a", "outcome": "used"},
+        {"round": 0, "device_id": "b", "outcome": "dropped"},
+        {"round": 0, "device_id": "c", "outcome": "used"},
+        {"round": 0, "device_id": "d", "outcome": "cancelled"},
+    ]
+    sim = fc.replay_outcomes([metrics_row(0, 0.0, 4.0, 0.5)], timeline)
+    plans = {d: {"censored": d in ("b", "d")} for d in "abcd"}
+    log = "2026-11-26 INFO round 0: abandoned r0-b while training: the board left (its availability window closed)"
+    fleet = fc.fleet_outcomes(
+        [metrics_row(0, 100.0, 104.2, 0.5, plans)], fc.left_mid_task({"b": log, "d": ""})
+    )
+    assert sim[0].selected == fleet[0].selected == frozenset("abcd")
+    assert sim[0].used == fleet[0].used == frozenset("ac") and sim[0].dropped == fleet[
+        0
+    ].dropped == frozenset("b")
+    rows = fc.pair_rounds(sim, fleet, {0: {"a": 0.01, "d": 3.0}})  # d's overrun: a cancelled task, harmless
+    assert rows[0].same_selection and rows[0].error == pytest.approx(0.05) and not rows[0].host_bound
+    assert fc.pair_rounds(sim, fleet, {0: {"c": 0.5}})[
+        0
+    ].host_bound  # a used result came late because of the host
+    with pytest.raises(ValueError, match="one world only"):
+        fc.pair_rounds(sim, [])
+
+
+def test_time_to_accuracy_and_accuracy_at_equal_time() -> None:
+    from benchmarks import fidelity_compare as fc
+
+    def world(times: list[float], accs: list[float], plans: dict) -> list:
+        rows = [metrics_row(i, times[i], times[i + 1], accs[i], plans) for i in range(len(accs))]
+        return fc.fleet_outcomes(rows, {})
+
+    plans = {"a": {"censored": False}}
+    sim = world([0.0, 5.0, 10.0, 15.0], [0.3, 0.6, 0.8], plans)
+    fleet = world([50.0, 55.5, 61.0, 66.5], [0.3, 0.6, 0.8], plans)
+    v = fc.verdict(fc.pair_rounds(sim, fleet), target_share=0.9)
+    assert v.target_accuracy == pytest.approx(0.72)
+    assert (v.tta_simulated_s, v.tta_fleet_s) == (pytest.approx(15.0), pytest.approx(16.5))
+    assert v.tta_error == pytest.approx(0.1)
+    assert v.equal_time_s == pytest.approx(15.0) and (v.accuracy_simulated, v.accuracy_fleet) == (0.8, 0.6)
+    assert fc.time_to_accuracy(sim, 0.99) is None and fc.accuracy_at(sim, 1.0) is None
+    line = fc.final_line(v, classes=4, dropouts=2)
+    assert (
+        line == "classes=4 dropouts=2 median_abs_err=0.100 worst_err=0.100 tta_err=0.100 same_selection=3/3"
+    )
+    bound = fc.verdict(fc.pair_rounds(sim, fleet, {1: {"a": 1.0}}))
+    assert bound.host_bound_rounds == [1]
+    assert fc.final_line(bound, 4, 2).endswith(
+        "median_abs_err=host_bound worst_err=host_bound tta_err=host_bound same_selection=3/3"
+    )
+    assert "HOST-BOUND" in "\n".join(fidelity_mixed.describe(bound))
+
+
+def test_departures_and_returns_are_checked_against_the_windows() -> None:
+    from nestling.profiler.traces import DeviceTrace
+
+    trace = DeviceTrace(
+        "t", "rpi3b", 2**30, 1e6, 1e6, 0.01, gflops=3.0, availability=((0.0, 10.0), (15.0, 1e12))
+    )
+    log = (
+        "x INFO leaving: trace device t goes offline at trace time 10.020 s\n"
+        "x INFO returning: trace device t comes online at trace time 15.010 s\n"
+    )
+    assert fidelity_compare.comings_and_goings(log) == [("left", 10.02), ("returned", 15.01)]
+    assert fidelity_mixed.window_deviations({"dev": log}, {"dev": trace}) == [
+        pytest.approx(0.02),
+        pytest.approx(0.01),
+    ]
+
+
+def test_the_mixed_trace_has_four_classes_that_come_and_go() -> None:
+    a = fidelity.argparse.Namespace(
+        **{**fidelity_mixed.MIXED_DEFAULTS, "churn": 0.5, "online_h": 2.0, "offline_h": 1.0}
+    )
+    traces = fidelity_mixed.mixed_traces(a)
+    assert len({t.device_class for t in traces}) == 4 and len(traces) == a.devices
+    assert sum(bool(t.availability) for t in traces) == a.devices // 2
+    assert all(t.is_available(0.0) for t in traces)  # every agent registers before the first round
+    assert fidelity_mixed.server_gaps([metrics_row(1, 5.5, 9.0, 0.1), metrics_row(0, 0.0, 5.0, 0.1)]) == [0.5]
+
+
+@pytest.mark.slow
+def test_a_tiny_mixed_fleet_comes_and_goes_in_both_worlds(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    # 6 agents, 3 rounds, short sessions on a fast clock: dropouts happen, windows are kept, rounds compared.
+    argv = ["--mixed", "--devices", "6", "--rounds", "3", "--local-epochs", "1", "--online-h", "0.5"]
+    assert fidelity.main([*argv, "--offline-h", "0.25", "--settle", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    figures = dict(part.split("=") for part in last.split())
+    assert figures["classes"] == "4" and int(figures["dropouts"]) >= 1
+    assert re.fullmatch(r"\d/3", figures["same_selection"])
+    assert (figures["tta_err"] == "host_bound") == ("HOST-BOUND" in out)  # never an error figure of the host
+    windows = re.search(r"windows: (\d+) departures and returns by the agents, each within ([\d.]+) s", out)
+    assert windows and int(windows.group(1)) >= 1 and float(windows.group(2)) < 0.5
+    assert "reaches" in out and "server time between rounds" in out
+
+
+def test_a_replay_is_reused_only_for_the_same_settings_and_trace(
+    tmp_path, capsys: pytest.CaptureFixture
+) -> None:
+    a = fidelity.argparse.Namespace(
+        **{**fidelity_mixed.MIXED_DEFAULTS, "out": tmp_path, "replay_only": False}
+    )
+    trace = tmp_path / "fleet.jsonl"
+    trace.write_text('{"device_id": "a"}\n')
+    sim = tmp_path / "sim"
+    sim.mkdir()
+    (sim / "metrics.jsonl").write_text(json.dumps(metrics_row(0, 0.0, 4.0, 0.5)) + "\n")
+    (sim / "timeline.jsonl").write_text(json.dumps({"round": 0, "device_id": "a", "outcome": "used"}) + "\n")
+    (sim / "replay-settings.json").write_text(fidelity_mixed.replay_fingerprint(a, trace))
+    reused = fidelity_mixed.replay_once(a, trace, sim)
+    assert reused["timeline"][0]["device_id"] == "a" and "reusing the replay" in capsys.readouterr().out
+    other = fidelity.argparse.Namespace(**{**vars(a), "deadline": 99.0, "out": tmp_path / "elsewhere"})
+    assert fidelity_mixed.replay_fingerprint(other, trace) != fidelity_mixed.replay_fingerprint(a, trace)
+    assert fidelity_mixed.replay_fingerprint(
+        fidelity.argparse.Namespace(**{**vars(a), "out": None, "settle": 9}), trace
+    ) == fidelity_mixed.replay_fingerprint(a, trace)  # where and how patiently to run do not matter
+
+
+def test_the_hosts_training_speed_is_read_from_the_emulation_lines() -> None:
+    emulation = {0: {"a": {"compute_s": 2.0, "host_s": 1.0}, "b": {"compute_s": 3.0, "host_s": 0.0}}}
+    assert fidelity_mixed.host_speeds(emulation, {"a": 4.0, "b": 1.0}) == [8.0]  # b: no training measured

@@ -227,3 +227,30 @@ def test_examples_in_docs_load(tmp_path: Path) -> None:
         first = load_traces(tmp_path / f"example{suffix}")[0]
         assert first.device_id == "rpi4-07"
         assert first.available_until(23 * 3600) == DAY + 6 * 3600
+
+
+def test_a_time_scaled_trace_keeps_its_board_and_runs_its_clock_faster() -> None:
+    from nestling.profiler.traces import time_scaled
+
+    day = DeviceTrace(
+        "p",
+        "phone-mid",
+        2**30,
+        up_bps=1e6,
+        down_bps=2e6,
+        latency_s=0.04,
+        gflops=41.0,
+        availability=((0.0, 21600.0), (79200.0, 86400.0)),
+        period_s=86400.0,
+        budget_schedule=((3600.0, 2**29),),
+    )
+    fast = time_scaled(day, 720.0)  # a day in two minutes
+    assert fast.availability == ((0.0, 30.0), (110.0, 120.0)) and fast.period_s == 120.0
+    assert fast.budget_schedule == ((5.0, 2**29),)
+    assert (fast.gflops, fast.up_bps, fast.down_bps, fast.latency_s) == (41.0, 1e6, 2e6, 0.04)
+    for t in (0.0, 29.0, 31.0, 100.0, 115.0, 150.0):
+        assert fast.is_available(t) == day.is_available(t * 720.0)
+    assert time_scaled(day, 1.0) is day
+    for bad in (0, -3.0, float("nan"), "2"):
+        with pytest.raises(ConfigError, match="time scale"):
+            time_scaled(day, bad)  # type: ignore[arg-type]

@@ -105,3 +105,34 @@ def test_cli_writes_ten_thousand_devices_quickly(tmp_path: Path, capsys: pytest.
     # generation is belongs to a benchmark, not to a timed unit test.
     assert elapsed < 60.0
     assert load_traces(out) == generate_fleet("rpi4:0.4,jetson-nano:0.3,phone-mid:0.3", 10000, seed=11)
+
+
+def test_churning_devices_start_online_and_come_and_go_until_the_horizon() -> None:
+    from nestling.simulator.generate import with_sessions
+
+    traces = generate_fleet("rpi3b:1,rpi-zero2w:1,rpi4:1,jetson-nano-cpu:1", 40, seed=5, diurnal=False)
+    churned = with_sessions(traces, 0.5, 7200.0, 3600.0, 86400.0, seed=5)
+    flaky = [t for t in churned if t.availability]
+    assert len(flaky) == 20 and {t.device_class for t in churned} == {
+        "rpi3b",
+        "rpi-zero2w",
+        "rpi4",
+        "jetson-nano-cpu",
+    }
+    for before, after in zip(traces, churned, strict=True):
+        assert (after.gflops, after.up_bps, after.device_id) == (
+            before.gflops,
+            before.up_bps,
+            before.device_id,
+        )
+    for trace in flaky:
+        assert trace.is_available(0.0) and trace.period_s is None
+        assert trace.is_available(86400.0 * 2)  # online for good after the horizon
+        starts = [s for s, _ in trace.availability]
+        assert starts == sorted(starts) and trace.availability[0][0] == 0.0
+    assert any(len(t.availability) > 2 for t in flaky)  # sessions, not one long window
+    assert with_sessions(traces, 0.5, 7200.0, 3600.0, 86400.0, seed=5) == churned  # seeded
+    with pytest.raises(ConfigError, match="share"):
+        with_sessions(traces, 1.5, 7200.0, 3600.0, 86400.0, seed=5)
+    with pytest.raises(ConfigError, match="mean_offline_s"):
+        with_sessions(traces, 0.5, 7200.0, 0.0, 86400.0, seed=5)
