@@ -277,14 +277,10 @@ def play(method: str, kind: str, path: tuple[str, ...], value: Any, out_dir: Pat
     return refusals
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_any_value_in_any_inbound_field_is_refused_by_name_or_harmless(method: str, tmp_path: Path) -> None:
-    @settings(
-        max_examples=6,
-        deadline=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    )
+def _any_value_in_any_field(method: str, tmp_path: Path, profile: settings) -> None:
+    """Hypothesis draws a message kind, one of its fields and a JSON value, and plays it through the server."""
+
+    @profile
     @given(
         st.sampled_from(KINDS).flatmap(lambda k: st.tuples(st.just(k), st.sampled_from(FIELDS[k]))),
         json_values,
@@ -295,24 +291,29 @@ def test_any_value_in_any_inbound_field_is_refused_by_name_or_harmless(method: s
         play(method, kind, path, value, out)
 
     check()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_any_value_in_any_inbound_field_is_refused_by_name_or_harmless(method: str, tmp_path: Path) -> None:
+    _any_value_in_any_field(
+        method,
+        tmp_path,
+        settings(
+            max_examples=6,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        ),
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_deeper_any_value_in_any_inbound_field(method: str, tmp_path: Path) -> None:
     """The same property, many more examples per method (a nightly-sized profile)."""
-
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(
-        st.sampled_from(KINDS).flatmap(lambda k: st.tuples(st.just(k), st.sampled_from(FIELDS[k]))),
-        json_values,
+    _any_value_in_any_field(
+        method, tmp_path, settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
     )
-    def check(kind_and_path: tuple[str, tuple[str, ...]], value: Any) -> None:
-        kind, path = kind_and_path
-        out = tmp_path / hashlib.sha256(repr((kind, path, value)).encode()).hexdigest()[:16]
-        play(method, kind, path, value, out)
-
-    check()
 
 
 @pytest.mark.parametrize(
