@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mixed",
         action="store_true",
         help="four board classes with churn: dropouts, availability windows, over-selection, a deadline and "
-        "time-to-accuracy (benchmarks/fidelity_mixed.py; its own defaults, listed there)",
+        "time-to-accuracy (benchmarks/_fidelity_mixed.py; its own defaults, listed there)",
     )
     parser.add_argument("--over-selection", type=float, default=1.0)
     parser.add_argument("--churn", type=float, default=0.5, help="--mixed: share of devices that come and go")
@@ -382,12 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if "--mixed" in argv:
-        from benchmarks.fidelity_mixed import MIXED_DEFAULTS
+        from benchmarks._fidelity_mixed import MIXED_DEFAULTS
 
         parser.set_defaults(**MIXED_DEFAULTS)
     a = parser.parse_args(argv)
     if a.mixed:
-        from benchmarks.fidelity_mixed import run_mixed
+        from benchmarks._fidelity_mixed import run_mixed
 
         return run_mixed(a)
 

@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from benchmarks import fidelity, fidelity_compare, fidelity_mixed
+from benchmarks import _fidelity_compare as fidelity_compare
+from benchmarks import _fidelity_mixed as fidelity_mixed
+from benchmarks import fidelity
 from nestling.edge.emulation import TaskPacing
 
 
@@ -112,7 +114,7 @@ def metrics_row(r: int, start: float, end: float, acc: float, plans: dict | None
 
 
 def test_replay_and_fleet_rounds_are_read_into_the_same_sets() -> None:
-    from benchmarks import fidelity_compare as fc
+    from benchmarks import _fidelity_compare as fc
 
     timeline = [
         {"round": 0, "device_id": "a", "outcome": "used"},
@@ -140,7 +142,7 @@ def test_replay_and_fleet_rounds_are_read_into_the_same_sets() -> None:
 
 
 def test_time_to_accuracy_and_accuracy_at_equal_time() -> None:
-    from benchmarks import fidelity_compare as fc
+    from benchmarks import _fidelity_compare as fc
 
     def world(times: list[float], accs: list[float], plans: dict) -> list:
         rows = [metrics_row(i, times[i], times[i + 1], accs[i], plans) for i in range(len(accs))]

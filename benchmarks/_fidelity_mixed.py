@@ -10,7 +10,7 @@ the trace's clock in hours (`with_sessions`), every device online at t = 0. The 
 leaves the broker when its window closes (the task it holds is abandoned, its result never sent) and registers
 again when the next opens. Over-selection and a deadline as a deployment would set them.
 
-Compared round by round (benchmarks/fidelity_compare.py): the devices selected, the results used before the
+Compared round by round (benchmarks/_fidelity_compare.py): the devices selected, the results used before the
 deadline, the devices lost mid-task, the round's duration; then time-to-accuracy (wall time from the first
 round's dispatch to the close of the first round evaluated at the target) and each world's accuracy at the
 wall time both ran. Tasks the host could not keep up with (overrun) are reported per round; if one may have
@@ -32,8 +32,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fidelity import read_jsonl, run_fleet, run_simulator
-from benchmarks.fidelity_compare import (
+from benchmarks._fidelity_compare import (
     Verdict,
     comings_and_goings,
     final_line,
@@ -44,6 +43,7 @@ from benchmarks.fidelity_compare import (
     round_table,
     verdict,
 )
+from benchmarks.fidelity import read_jsonl, run_fleet, run_simulator
 
 MIXED_MIX = "rpi3b:1,rpi-zero2w:1,rpi4:1,jetson-nano-cpu:1"
 MIXED_DEFAULTS: dict[str, Any] = {
