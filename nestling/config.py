@@ -11,9 +11,9 @@ from typing import Any
 from nestling.errors import ConfigError
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover
-    import tomli as tomllib
+    pass
 
 
 @dataclass
@@ -262,12 +262,9 @@ def config_from_dict(data: dict[str, Any]) -> SimConfig:
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """A config file's raw tables (ConfigError when it is missing or not TOML)."""
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    from nestling.wire.broker_settings import read_toml
+
+    return read_toml(path, "config file")
 
 
 def load_config(
