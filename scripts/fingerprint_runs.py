@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default="resnet20", help="model family member instead of resnet20 (e.g. tinycnn, vit)"
     )
+    parser.add_argument("--dataset", default="digits", help="dataset instead of digits (e.g. cifar10)")
+    parser.add_argument("--data-root", type=Path, help="folder holding file-backed datasets (cifar10)")
     parser.add_argument(
         "--set",
         action="append",
@@ -306,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fingerprint-") as scratch:
         work = args.work.resolve() if args.work else Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
-        common = tuple(args.model if value == "resnet20" else value for value in COMMON)
+        swaps = {"resnet20": args.model, "digits": args.dataset}
+        common = tuple(swaps.get(value, value) for value in COMMON)
+        if args.data_root is not None:
+            common += ("--data-root", str(args.data_root.resolve()))
         for flag, value in (("--limit-train", args.limit_train), ("--limit-test", args.limit_test)):
             common += (flag, str(value)) if value is not None else ()
         for item in args.set:
