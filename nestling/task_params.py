@@ -86,9 +86,28 @@ class TrainParams:
     round: int = 0
     total_rounds: int = 1
 
+    # Lower bounds of numeric fields (inclusive): a value below one is refused by name, as a wrong type is.
+    minimums: ClassVar[dict[str, float]] = {
+        "lr": 0.0,
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+        "batch_size": 1,
+        "local_epochs": 0,
+        "local_steps": 0,
+        "grad_clip": 0.0,
+        "round": 0,
+        "total_rounds": 1,
+    }
+
+    def __post_init__(self) -> None:
+        for key, low in self.minimums.items():
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ConfigError(f"task hyper-parameter '{key}' must be >= {low}, got {value!r}")
+
     @classmethod
     def from_hparams(cls: type[P], hp: dict[str, Any], procedure: str | None = None) -> P:
-        """The record of `hp`; a ConfigError names an unknown key or a value of the wrong type."""
+        """The record of `hp`; a ConfigError names an unknown key, a value of the wrong type or out of range."""
         name = procedure or cls.procedure
         declared = {f.name: f for f in fields(cls)}
         unknown = sorted(set(hp) - set(declared))
@@ -104,7 +123,10 @@ class TrainParams:
                     f"task hyper-parameter '{key}' for procedure '{name}' must be {hints[key]}, got {value!r}"
                 )
             values[key] = _as_declared(hints[key], value)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as exc:  # a value out of range: say which procedure's task carried it
+            raise ConfigError(f"{exc} (procedure '{name}')") from None
 
     def to_hparams(self) -> dict[str, Any]:
         """The JSON form a task carries (every field, defaults included)."""

@@ -46,20 +46,18 @@ class LocalOutcome:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-P = TypeVar("P", bound=TrainParams)
-# (model, the board's data, the task's typed hyper-parameters, the device store, the task's generator)
-Procedure = Callable[[ScalableNet, ClientData, P, DeviceStore, torch.Generator], LocalOutcome]
-_PROCEDURES: dict[str, Procedure[Any]] = {}
+# (model, the board's data, the task's typed hyper-parameters, the device store, the task's generator); the third
+# argument is the record the procedure registered (`params=`), a TrainParams subclass.
+Procedure = Callable[[ScalableNet, ClientData, Any, DeviceStore, torch.Generator], LocalOutcome]
+F = TypeVar("F", bound=Procedure)
+_PROCEDURES: dict[str, Procedure] = {}
 _BATCHABLE: set[str] = set()
 _PARAMS: dict[str, type[TrainParams]] = {}
 
 
 def register(
-    name: str,
-    *,
-    batchable: bool = False,
-    params: type[P] = TrainParams,  # type: ignore[assignment]
-) -> Callable[[Procedure[P]], Procedure[P]]:
+    name: str, *, batchable: bool = False, params: type[TrainParams] = TrainParams
+) -> Callable[[F], F]:
     """Register a local procedure under `name`. `batchable`: the simulator's batched trainer
     (simulator/batched.py) reproduces it exactly, so same-spec clients may share one vmapped step.
     `params`: the typed record of the hyper-parameters its tasks carry (nestling.task_params), which the
@@ -69,7 +67,7 @@ def register(
             f"local procedure '{name}': params must be a TrainParams record (nestling.task_params), got {params!r}"
         )
 
-    def wrap(fn: Procedure[P]) -> Procedure[P]:
+    def wrap(fn: F) -> F:
         if name in _PROCEDURES and _PROCEDURES[name] is not fn:
             raise ConfigError(f"local procedure '{name}' is registered twice")
         _PROCEDURES[name] = fn
@@ -92,13 +90,13 @@ def check_hparams(procedure: str, hparams: dict[str, Any]) -> TrainParams:
     return params_for(procedure).from_hparams(hparams, procedure)
 
 
-def snapshot_procedures() -> tuple[dict[str, Procedure[Any]], set[str], dict[str, type[TrainParams]]]:
+def snapshot_procedures() -> tuple[dict[str, Procedure], set[str], dict[str, type[TrainParams]]]:
     """The registry as it is now, for `restore_procedures` (tests and plugins that register for a while)."""
     return dict(_PROCEDURES), set(_BATCHABLE), dict(_PARAMS)
 
 
 def restore_procedures(
-    snapshot: tuple[dict[str, Procedure[Any]], set[str], dict[str, type[TrainParams]]],
+    snapshot: tuple[dict[str, Procedure], set[str], dict[str, type[TrainParams]]],
 ) -> None:
     """Put the registry back exactly as `snapshot_procedures` saw it (added names gone, replaced ones back)."""
     procedures, batchable, params = snapshot
@@ -125,7 +123,7 @@ def is_batchable(name: str) -> bool:
     return name in _BATCHABLE
 
 
-def get_procedure(name: str) -> Procedure[Any]:
+def get_procedure(name: str) -> Procedure:
     """The procedure registered as `name`; ConfigError listing the known ones."""
     try:
         return _PROCEDURES[name]
