@@ -157,7 +157,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_simulator(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[str, Any]:
+def run_simulator(
+    a: argparse.Namespace, trace_path: Path, out: Path, run: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The replay of `trace_path` in `out`; `run`: more [run] keys (the server_time settings of --mixed)."""
     from nestling.config import config_from_dict
     from nestling.simulator.run import run_simulation
 
@@ -165,7 +168,7 @@ def run_simulator(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[st
     cfg = config_from_dict(
         {
             **shared,
-            "run": {**shared["run"], "traces": str(trace_path), "workers": 1},
+            "run": {**shared["run"], "traces": str(trace_path), "workers": 1, **(run or {})},
             "data": {**shared["data"], "clients": a.devices, "partition": "iid"},
         }
     )
