@@ -50,7 +50,7 @@ from benchmarks._fidelity_compare import (
     round_table,
     verdict,
 )
-from benchmarks.fidelity import read_jsonl, run_fleet, run_simulator
+from benchmarks.fidelity import read_fleet_run, read_jsonl, run_fleet, run_simulator
 
 MIXED_MIX = "rpi3b:1,rpi-zero2w:1,rpi4:1,jetson-nano-cpu:1"
 MIXED_DEFAULTS: dict[str, Any] = {
@@ -168,7 +168,9 @@ def replay_fingerprint(
 ) -> str:
     """What makes two replays the same: every setting but where and how long to run, the replay's server
     time, and the trace itself."""
-    settings = {k: v for k, v in vars(a).items() if k not in ("out", "replay_only", "timeout", "settle")}
+    settings = {
+        k: v for k, v in vars(a).items() if k not in ("out", "replay_only", "timeout", "settle", "fleet_from")
+    }
     extra = {"server": dict(server)} if server else {}
     return json.dumps({**settings, **extra, "trace": trace_path.read_text()}, sort_keys=True, default=str)
 
@@ -201,6 +203,20 @@ def can_reuse(out: Path, fingerprint: str, server: Mapping[str, Any] | None = No
     if server and server.get("server_time") == "measured":
         return False
     return stamp.exists() and stamp.read_text() == fingerprint and (out / "timeline.jsonl").exists()
+
+
+def recorded_fleet(a: argparse.Namespace, trace_path: Path) -> dict[str, Any]:
+    """The fleet run kept in `--fleet-from`, refused unless it ran this very trace (same settings, same seed)."""
+    recorded = a.fleet_from.resolve()
+    kept = recorded / "fleet.jsonl"
+    if not (recorded / "fleet" / "metrics.jsonl").is_file() or not kept.is_file():
+        raise ValueError(
+            f"--fleet-from {recorded}: no finished fleet run there (fleet/metrics.jsonl, fleet.jsonl)"
+        )
+    if kept.read_text() != trace_path.read_text():
+        raise ValueError(f"--fleet-from {recorded}: its fleet ran another trace than these settings make")
+    print(f"comparing against the fleet recorded in {recorded}")
+    return {**read_fleet_run(recorded, a.devices), "agents_ready_s": math.nan, "seconds": math.nan}
 
 
 def replay_server_seconds(out: Path) -> list[float]:
@@ -255,9 +271,12 @@ def run_mixed(a: argparse.Namespace) -> int:
         if a.replay_only:
             print(f"replay in {work / 'sim'}: {len(sim['metrics'])} rounds, {_dropped(sim)} dropouts")
             return 0
-        flags = ["--emulate-availability", "--emulate-time-scale", repr(a.time_scale)]
-        fleet = run_fleet(a, traces, trace_path, work, agent_flags=flags)
-        summary_counters = _fleet_counters(work / "fleet")
+        if a.fleet_from is not None:
+            fleet, fleet_dir = recorded_fleet(a, trace_path), a.fleet_from.resolve()
+        else:
+            flags = ["--emulate-availability", "--emulate-time-scale", repr(a.time_scale)]
+            fleet, fleet_dir = run_fleet(a, traces, trace_path, work, agent_flags=flags), work
+        summary_counters = _fleet_counters(fleet_dir / "fleet")
         # After the fleet, so they cannot disturb it: the replay given the fleet's server time, and the one
         # that measures its own.
         fixed = fixed_server_time(fleet["metrics"])
@@ -296,9 +315,13 @@ def run_mixed(a: argparse.Namespace) -> int:
         )
         + " (* comes and goes)"
     )
+    ran = (
+        f"recorded in {a.fleet_from}"
+        if a.fleet_from is not None
+        else f"{fleet['seconds']:.1f} s wall ({fleet['agents_ready_s']:.1f} s starting {a.devices} agents)"
+    )
     print(
-        f"simulator: {sum(run['seconds'] for run in replays.values()):.1f} s for three replays; fleet: "
-        f"{fleet['seconds']:.1f} s wall ({fleet['agents_ready_s']:.1f} s starting {a.devices} agents)"
+        f"simulator: {sum(run['seconds'] for run in replays.values()):.1f} s for three replays; fleet: {ran}"
     )
     rates = host_speeds(fleet["emulation"], {device_id(i): t.gflops for i, t in enumerate(traces)})
     if rates:

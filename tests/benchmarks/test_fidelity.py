@@ -231,8 +231,10 @@ def test_a_replay_is_reused_only_for_the_same_settings_and_trace(
     other = fidelity.argparse.Namespace(**{**vars(a), "deadline": 99.0, "out": tmp_path / "elsewhere"})
     assert fidelity_mixed.replay_fingerprint(other, trace) != fidelity_mixed.replay_fingerprint(a, trace)
     assert fidelity_mixed.replay_fingerprint(
-        fidelity.argparse.Namespace(**{**vars(a), "out": None, "settle": 9}), trace
-    ) == fidelity_mixed.replay_fingerprint(a, trace)  # where and how patiently to run do not matter
+        fidelity.argparse.Namespace(**{**vars(a), "out": None, "settle": 9, "fleet_from": tmp_path}), trace
+    ) == fidelity_mixed.replay_fingerprint(
+        a, trace
+    )  # where and how patiently to run, and which fleet, do not matter
 
 
 def test_the_hosts_training_speed_is_read_from_the_emulation_lines() -> None:
@@ -269,3 +271,17 @@ def test_a_replay_that_measures_its_server_time_is_never_reused(tmp_path) -> Non
     stamp = fidelity_mixed.replay_fingerprint(a, trace, measured)
     (sim / "replay-settings.json").write_text(stamp)
     assert not fidelity_mixed.can_reuse(sim, stamp, measured)  # it measured this host, at that moment
+
+
+def test_a_recorded_fleet_must_have_run_the_same_trace(tmp_path) -> None:
+    trace = tmp_path / "fleet.jsonl"
+    trace.write_text('{"device_id": "a"}\n')
+    recorded = tmp_path / "recorded"
+    a = fidelity.argparse.Namespace(**{**fidelity_mixed.MIXED_DEFAULTS, "fleet_from": recorded})
+    with pytest.raises(ValueError, match="no finished fleet run there"):
+        fidelity_mixed.recorded_fleet(a, trace)
+    (recorded / "fleet").mkdir(parents=True)
+    (recorded / "fleet" / "metrics.jsonl").write_text("")
+    (recorded / "fleet.jsonl").write_text('{"device_id": "b"}\n')
+    with pytest.raises(ValueError, match="another trace"):
+        fidelity_mixed.recorded_fleet(a, trace)
