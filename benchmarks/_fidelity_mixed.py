@@ -101,9 +101,14 @@ def server_gaps(metrics: Sequence[Mapping[str, Any]]) -> list[float]:
     return [float(b["dispatched_at"]) - float(a["closed_at"]) for a, b in pairwise(ordered)]
 
 
-def fixed_server_time(fleet_metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The [run] keys of a replay whose clock moves by the fleet's mean measured time between rounds (every
-    gap holds an evaluation: the benchmark evaluates every round, and checkpoints only after the last)."""
+def fixed_server_time(
+    fleet_metrics: Sequence[Mapping[str, Any]], seconds: float | None = None
+) -> dict[str, Any]:
+    """The [run] keys of a replay whose clock moves by `seconds` a round, by default the fleet's mean measured
+    time between rounds (every gap holds an evaluation: the benchmark evaluates every round, and checkpoints
+    only after the last)."""
+    if seconds is not None:
+        return {"server_time": "fixed", "server_round_s": seconds}
     gaps = server_gaps(fleet_metrics)
     if not gaps:
         raise ValueError("the fleet ran one round: no time between rounds was measured")
@@ -169,7 +174,9 @@ def replay_fingerprint(
     """What makes two replays the same: every setting but where and how long to run, the replay's server
     time, and the trace itself."""
     settings = {
-        k: v for k, v in vars(a).items() if k not in ("out", "replay_only", "timeout", "settle", "fleet_from")
+        k: v
+        for k, v in vars(a).items()
+        if k not in ("out", "replay_only", "timeout", "settle", "fleet_from", "fixed_server_s")
     }
     extra = {"server": dict(server)} if server else {}
     return json.dumps({**settings, **extra, "trace": trace_path.read_text()}, sort_keys=True, default=str)
@@ -279,7 +286,7 @@ def run_mixed(a: argparse.Namespace) -> int:
         summary_counters = _fleet_counters(fleet_dir / "fleet")
         # After the fleet, so they cannot disturb it: the replay given the fleet's server time, and the one
         # that measures its own.
-        fixed = fixed_server_time(fleet["metrics"])
+        fixed = fixed_server_time(fleet["metrics"], a.fixed_server_s)
         replays = {
             "none": sim,
             "fixed": replay_once(a, scaled_path, work / "sim-fixed", fixed),
@@ -338,7 +345,8 @@ def run_mixed(a: argparse.Namespace) -> int:
         f"{sum(len(o.dropped) for o in simulated)}"
     )
     print(
-        f"replay server time: fixed {fixed['server_round_s']:.3f} s a round (the fleet's mean between rounds); "
+        f"replay server time: fixed {fixed['server_round_s']:.3f} s a round "
+        f"({'--fixed-server-s' if a.fixed_server_s is not None else 'the fleet mean between rounds'}); "
         f"measured by the replay itself: mean {statistics.fmean(moved['measured'] or [0.0]):.3f} s, "
         f"{min(moved['measured'] or [0.0]):.3f}-{max(moved['measured'] or [0.0]):.3f} s"
     )

@@ -390,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         "instead of running one: judges a changed simulator against a fleet measured on a quiet host",
     )
     parser.add_argument(
+        "--fixed-server-s",
+        type=float,
+        help="--mixed: seconds a round the fixed replay's clock moves for the server (default: the fleet's mean "
+        "measured time between rounds)",
+    )
+    parser.add_argument(
         "--target-share",
         type=float,
         default=0.9,

@@ -247,6 +247,7 @@ def test_the_fixed_replay_moves_its_clock_by_the_fleets_mean_time_between_rounds
     assert fidelity_mixed.fixed_server_time(fleet) == {"server_time": "fixed", "server_round_s": 0.4}
     with pytest.raises(ValueError, match="one round"):
         fidelity_mixed.fixed_server_time(fleet[:1])
+    assert fidelity_mixed.fixed_server_time(fleet, 0.5) == {"server_time": "fixed", "server_round_s": 0.5}
 
 
 def test_a_replay_that_measures_its_server_time_is_never_reused(tmp_path) -> None:
