@@ -137,7 +137,7 @@ def unmodelled(
         lines.append(
             f"server time between rounds (aggregation, evaluation, selection; not in a round's span): fleet mean "
             f"{statistics.mean(gaps):.3f} s, max {max(gaps):.3f} s ({statistics.mean(gaps) / mean_round:.1%} of a "
-            "mean round); the fixed replay's clock moves by the mean"
+            "mean round)"
         )
     resent = {k: counters.get(k, 0) for k in RETRANSMISSION_COUNTERS}
     lines.append(
