@@ -16,6 +16,13 @@ round's dispatch to the close of the first round evaluated at the target) and ea
 wall time both ran. Tasks the host could not keep up with (overrun) are reported per round; if one may have
 changed a round, the error figures read `host_bound` instead of measuring this host.
 
+The server's own time between rounds (aggregation, evaluation, selection) moves the fleet's trace clock on, so
+the replay is run three ways (`[run] server_time`, simulator/server_time.py): `none` (its clock stands still
+between rounds; run before the fleet and reused across runs), `fixed` at the fleet's measured mean time between
+rounds (the fair setting for a fidelity check: the simulator is judged on the boards, given the server's
+speed), and `measured` (the replay times its own server work: the prediction a user has without a fleet).
+The round table and the last line are the `fixed` replay's; the other two are summarised above it.
+
 Run: OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.fidelity --mixed
 """
 
@@ -43,7 +50,7 @@ from benchmarks._fidelity_compare import (
     round_table,
     verdict,
 )
-from benchmarks.fidelity import read_jsonl, run_fleet, run_simulator
+from benchmarks.fidelity import read_fleet_run, read_jsonl, run_fleet, run_simulator
 
 MIXED_MIX = "rpi3b:1,rpi-zero2w:1,rpi4:1,jetson-nano-cpu:1"
 MIXED_DEFAULTS: dict[str, Any] = {
@@ -89,9 +96,23 @@ def window_deviations(agent_logs: Mapping[str, str], scaled: Mapping[str, Any]) 
 
 def server_gaps(metrics: Sequence[Mapping[str, Any]]) -> list[float]:
     """Seconds between one round's close and the next one's dispatch: the server's own work (screening,
-    aggregation, evaluation, checkpoint, selection), which a replay's virtual clock does not advance for."""
+    aggregation, evaluation, checkpoint, selection), which a replay's clock moves by only with `server_time`."""
     ordered = sorted(metrics, key=lambda r: int(r["round"]))
     return [float(b["dispatched_at"]) - float(a["closed_at"]) for a, b in pairwise(ordered)]
+
+
+def fixed_server_time(
+    fleet_metrics: Sequence[Mapping[str, Any]], seconds: float | None = None
+) -> dict[str, Any]:
+    """The [run] keys of a replay whose clock moves by `seconds` a round, by default the fleet's mean measured
+    time between rounds (every gap holds an evaluation: the benchmark evaluates every round, and checkpoints
+    only after the last)."""
+    if seconds is not None:
+        return {"server_time": "fixed", "server_round_s": seconds}
+    gaps = server_gaps(fleet_metrics)
+    if not gaps:
+        raise ValueError("the fleet ran one round: no time between rounds was measured")
+    return {"server_time": "fixed", "server_round_s": round(statistics.fmean(gaps), 6)}
 
 
 def unmodelled(
@@ -114,9 +135,9 @@ def unmodelled(
     if gaps:
         mean_round = statistics.mean(row.fleet.duration_s for row in v.rows)
         lines.append(
-            f"server time between rounds (aggregation, evaluation, selection; not in a round's span, not in the "
-            f"replay's clock): mean {statistics.mean(gaps):.3f} s, max {max(gaps):.3f} s "
-            f"({statistics.mean(gaps) / mean_round:.1%} of a mean round)"
+            f"server time between rounds (aggregation, evaluation, selection; not in a round's span): fleet mean "
+            f"{statistics.mean(gaps):.3f} s, max {max(gaps):.3f} s ({statistics.mean(gaps) / mean_round:.1%} of a "
+            "mean round)"
         )
     resent = {k: counters.get(k, 0) for k in RETRANSMISSION_COUNTERS}
     lines.append(
@@ -147,18 +168,29 @@ def describe(v: Verdict) -> list[str]:
     return lines
 
 
-def replay_fingerprint(a: argparse.Namespace, trace_path: Path) -> str:
-    """What makes two replays the same: every setting but where and how long to run, and the trace itself."""
-    settings = {k: v for k, v in vars(a).items() if k not in ("out", "replay_only", "timeout", "settle")}
-    return json.dumps({**settings, "trace": trace_path.read_text()}, sort_keys=True, default=str)
+def replay_fingerprint(
+    a: argparse.Namespace, trace_path: Path, server: Mapping[str, Any] | None = None
+) -> str:
+    """What makes two replays the same: every setting but where and how long to run, the replay's server
+    time, and the trace itself."""
+    settings = {
+        k: v
+        for k, v in vars(a).items()
+        if k not in ("out", "replay_only", "timeout", "settle", "fleet_from", "fixed_server_s")
+    }
+    extra = {"server": dict(server)} if server else {}
+    return json.dumps({**settings, **extra, "trace": trace_path.read_text()}, sort_keys=True, default=str)
 
 
-def replay_once(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[str, Any]:
-    """The replay, or the one already in `out` from the same settings and trace (virtual time does not
-    depend on this host's load, so `--replay-only` can run it before the box is quiet)."""
-    fingerprint = replay_fingerprint(a, trace_path)
+def replay_once(
+    a: argparse.Namespace, trace_path: Path, out: Path, server: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The replay (with `server`'s [run] server_time keys), or the one already in `out` from the same settings
+    and trace: virtual time does not depend on this host's load, so `--replay-only` can run it before the box
+    is quiet. A `measured` server time does depend on it and is never reused."""
+    fingerprint = replay_fingerprint(a, trace_path, server)
     stamp = out / "replay-settings.json"
-    if stamp.exists() and stamp.read_text() == fingerprint and (out / "timeline.jsonl").exists():
+    if can_reuse(out, fingerprint, server):
         print(f"reusing the replay in {out} (same settings and trace)")
         return {
             "metrics": read_jsonl(out / "metrics.jsonl"),
@@ -166,9 +198,39 @@ def replay_once(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[str,
             "seconds": 0.0,
         }
     stamp.unlink(missing_ok=True)
-    sim = run_simulator(a, trace_path, out)
+    sim = run_simulator(a, trace_path, out, server)
     stamp.write_text(fingerprint)
     return sim
+
+
+def can_reuse(out: Path, fingerprint: str, server: Mapping[str, Any] | None = None) -> bool:
+    """Whether `out` holds a finished replay made with `fingerprint`, and one worth reusing: a replay that timed
+    its own server work measured this host at that moment."""
+    stamp = out / "replay-settings.json"
+    if server and server.get("server_time") == "measured":
+        return False
+    return stamp.exists() and stamp.read_text() == fingerprint and (out / "timeline.jsonl").exists()
+
+
+def recorded_fleet(a: argparse.Namespace, trace_path: Path) -> dict[str, Any]:
+    """The fleet run kept in `--fleet-from`, refused unless it ran this very trace (same settings, same seed)."""
+    recorded = a.fleet_from.resolve()
+    kept = recorded / "fleet.jsonl"
+    if not (recorded / "fleet" / "metrics.jsonl").is_file() or not kept.is_file():
+        raise ValueError(
+            f"--fleet-from {recorded}: no finished fleet run there (fleet/metrics.jsonl, fleet.jsonl)"
+        )
+    if kept.read_text() != trace_path.read_text():
+        raise ValueError(f"--fleet-from {recorded}: its fleet ran another trace than these settings make")
+    print(f"comparing against the fleet recorded in {recorded}")
+    return {**read_fleet_run(recorded, a.devices), "agents_ready_s": math.nan, "seconds": math.nan}
+
+
+def replay_server_seconds(out: Path) -> list[float]:
+    """The seconds a replay's clock moved after each round (its server_time.jsonl; none when it did not)."""
+    from nestling.simulator.server_time import read_server_time
+
+    return [float(row["server_s"]) for row in read_server_time(out)]
 
 
 def host_speeds(
@@ -182,6 +244,18 @@ def host_speeds(
             if figures["host_s"] > 0 and device in gflops:
                 rates.append(figures["compute_s"] * gflops[device] / figures["host_s"])
     return sorted(rates)
+
+
+def as_measured(v: Verdict) -> str:
+    """A host-bound comparison's figures as measured, host included (empty when no round was host-bound)."""
+    if not v.host_bound_rounds:
+        return ""
+    errors = [abs(row.error) for row in v.rows]
+    tta = "none" if v.tta_error is None else f"{abs(v.tta_error):.3f}"
+    return (
+        f" (as measured, host included: median |error| {statistics.median(errors):.3f}, worst "
+        f"{max(errors):.3f}, tta error {tta})"
+    )
 
 
 def _dropped(sim: Mapping[str, Any]) -> int:
@@ -204,15 +278,32 @@ def run_mixed(a: argparse.Namespace) -> int:
         if a.replay_only:
             print(f"replay in {work / 'sim'}: {len(sim['metrics'])} rounds, {_dropped(sim)} dropouts")
             return 0
-        flags = ["--emulate-availability", "--emulate-time-scale", repr(a.time_scale)]
-        fleet = run_fleet(a, traces, trace_path, work, agent_flags=flags)
-        summary_counters = _fleet_counters(work / "fleet")
-    simulated = replay_outcomes(sim["metrics"], sim["timeline"])
+        if a.fleet_from is not None:
+            fleet, fleet_dir = recorded_fleet(a, trace_path), a.fleet_from.resolve()
+        else:
+            flags = ["--emulate-availability", "--emulate-time-scale", repr(a.time_scale)]
+            fleet, fleet_dir = run_fleet(a, traces, trace_path, work, agent_flags=flags), work
+        summary_counters = _fleet_counters(fleet_dir / "fleet")
+        # After the fleet, so they cannot disturb it: the replay given the fleet's server time, and the one
+        # that measures its own.
+        fixed = fixed_server_time(fleet["metrics"], a.fixed_server_s)
+        replays = {
+            "none": sim,
+            "fixed": replay_once(a, scaled_path, work / "sim-fixed", fixed),
+            "measured": replay_once(a, scaled_path, work / "sim-measured", {"server_time": "measured"}),
+        }
+        moved = {mode: replay_server_seconds(work / f"sim-{mode}") for mode in ("fixed", "measured")}
     lost = left_mid_task(fleet["agent_logs"])
     real = fleet_outcomes(fleet["metrics"], lost)
     overruns = {r: {d: f["overrun_s"] for d, f in by.items()} for r, by in fleet["emulation"].items()}
-    rows = pair_rounds(simulated, real, overruns)
-    v = verdict(rows, a.target_share)
+    verdicts = {
+        mode: verdict(
+            pair_rounds(replay_outcomes(run["metrics"], run["timeline"]), real, overruns), a.target_share
+        )
+        for mode, run in replays.items()
+    }
+    v = verdicts["fixed"]
+    simulated = [row.simulated for row in v.rows]
     classes = Counter(t.device_class for t in traces)
     churning = sum(bool(t.availability) for t in traces)
     by_id = {device_id(i): scaled[i] for i in range(len(traces))}
@@ -231,9 +322,13 @@ def run_mixed(a: argparse.Namespace) -> int:
         )
         + " (* comes and goes)"
     )
+    ran = (
+        f"recorded in {a.fleet_from}"
+        if a.fleet_from is not None
+        else f"{fleet['seconds']:.1f} s wall ({fleet['agents_ready_s']:.1f} s starting {a.devices} agents)"
+    )
     print(
-        f"simulator: {sim['seconds']:.1f} s; fleet: {fleet['seconds']:.1f} s wall ({fleet['agents_ready_s']:.1f} s "
-        f"starting {a.devices} agents)"
+        f"simulator: {sum(run['seconds'] for run in replays.values()):.1f} s for three replays; fleet: {ran}"
     )
     rates = host_speeds(fleet["emulation"], {device_id(i): t.gflops for i, t in enumerate(traces)})
     if rates:
@@ -249,16 +344,23 @@ def run_mixed(a: argparse.Namespace) -> int:
         f"dropouts (left holding a task, result never sent): fleet {dropouts}, simulator "
         f"{sum(len(o.dropped) for o in simulated)}"
     )
+    print(
+        f"replay server time: fixed {fixed['server_round_s']:.3f} s a round "
+        f"({'--fixed-server-s' if a.fixed_server_s is not None else 'the fleet mean between rounds'}); "
+        f"measured by the replay itself: mean {statistics.fmean(moved['measured'] or [0.0]):.3f} s, "
+        f"{min(moved['measured'] or [0.0]):.3f}-{max(moved['measured'] or [0.0]):.3f} s"
+    )
+    for mode in ("none", "measured", "fixed"):
+        print(
+            f"server_time={mode}: {final_line(verdicts[mode], len(classes), dropouts)}{as_measured(verdicts[mode])}"
+        )
+    print("round by round, server_time=fixed:")
     for line in describe(v):
         print(line)
     for line in unmodelled(v, fleet["metrics"], summary_counters):
         print(line)
     if v.host_bound_rounds:
-        errors = [abs(row.error) for row in v.rows]
-        print(
-            f"(as measured, host included: median |error| {statistics.median(errors):.3f}, worst "
-            f"{max(errors):.3f}, tta error {'none' if v.tta_error is None else f'{abs(v.tta_error):.3f}'})"
-        )
+        print(as_measured(v).strip())
     print(final_line(v, len(classes), dropouts))
     return 0
 

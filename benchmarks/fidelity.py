@@ -157,7 +157,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_simulator(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[str, Any]:
+def run_simulator(
+    a: argparse.Namespace, trace_path: Path, out: Path, run: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The replay of `trace_path` in `out`; `run`: more [run] keys (the server_time settings of --mixed)."""
     from nestling.config import config_from_dict
     from nestling.simulator.run import run_simulation
 
@@ -165,7 +168,7 @@ def run_simulator(a: argparse.Namespace, trace_path: Path, out: Path) -> dict[st
     cfg = config_from_dict(
         {
             **shared,
-            "run": {**shared["run"], "traces": str(trace_path), "workers": 1},
+            "run": {**shared["run"], "traces": str(trace_path), "workers": 1, **(run or {})},
             "data": {**shared["data"], "clients": a.devices, "partition": "iid"},
         }
     )
@@ -308,11 +311,20 @@ def run_fleet(
                 process.kill()
         for log in logs:
             log.close()
+    return {
+        **read_fleet_run(work, len(traces)),
+        "agents_ready_s": agents_ready,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def read_fleet_run(work: Path, agents: int) -> dict[str, Any]:
+    """A finished fleet run in `work`: the server's fleet/ folder and the agents' logs."""
+    from nestling.simulator.fleetdata import device_id
+
     out = work / "fleet"
     emulation: dict[int, dict[str, dict[str, float]]] = {}
-    agent_logs = {
-        device_id(i): (work / f"agent-{i}.log").read_text(errors="replace") for i in range(len(traces))
-    }
+    agent_logs = {device_id(i): (work / f"agent-{i}.log").read_text(errors="replace") for i in range(agents)}
     for device, text in agent_logs.items():
         for r, figures in parse_agent_log(text).items():
             emulation.setdefault(r, {})[device] = figures
@@ -323,8 +335,6 @@ def run_fleet(
         "durations": round_durations(read_jsonl(out / "metrics.jsonl")),
         "emulation": emulation,
         "emulated": summary.get("emulated", {}),
-        "agents_ready_s": agents_ready,
-        "seconds": time.perf_counter() - started,
     }
 
 
@@ -372,6 +382,18 @@ def main(argv: list[str] | None = None) -> int:
         "--replay-only",
         action="store_true",
         help="--mixed: run (or reuse) only the replay in --out; a later run with the same settings reuses it",
+    )
+    parser.add_argument(
+        "--fleet-from",
+        type=Path,
+        help="--mixed: compare against the fleet recorded in this earlier --out (same settings and trace) "
+        "instead of running one: judges a changed simulator against a fleet measured on a quiet host",
+    )
+    parser.add_argument(
+        "--fixed-server-s",
+        type=float,
+        help="--mixed: seconds a round the fixed replay's clock moves for the server (default: the fleet's mean "
+        "measured time between rounds)",
     )
     parser.add_argument(
         "--target-share",

@@ -97,6 +97,14 @@ class RunSection:
     # it; the rest is transfers and waiting): a generous deadline with a small share plans tight and waits long.
     train_share: float = 0.7
     traces: str | None = None  # device trace file: replay on a virtual clock (docs/simulator.md)
+    # How far a replay's virtual clock moves for the server's own work between rounds (simulator/server_time.py):
+    # none; fixed (server_round_s every round, + server_eval_s / server_checkpoint_s on rounds that evaluate /
+    # write a checkpoint); measured (this process's own server work per round x server_time_factor).
+    server_time: str = "none"
+    server_round_s: float | None = None
+    server_eval_s: float | None = None
+    server_checkpoint_s: float | None = None
+    server_time_factor: float | None = None
     backend: str = "auto"  # auto (pool when workers > 1), inprocess, pool, ray
     batching: str = "off"  # train same-spec clients of a round together: off, on, auto (only when faster)
     compile: bool = False  # torch.compile client models in the simulator's workers
@@ -128,6 +136,8 @@ BACKENDS = ("auto", "inprocess", "pool", "ray")
 BATCHING = ("off", "on", "auto")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")  # [run] aggregation (nestling.aggregation.robust_rule)
 PRECISIONS = ("fp32", "bf16")  # [train] precision: edge/execution.py applies it
+SERVER_TIMES = ("none", "fixed", "measured")  # [run] server_time: simulator/server_time.py
+FIXED_SERVER_TIMES = ("server_round_s", "server_eval_s", "server_checkpoint_s")
 
 
 @dataclass
@@ -192,10 +202,56 @@ class SimConfig:
             (self.run.bn_variance_factor > 1, "[run] bn_variance_factor must be > 1"),
             (self.run.bn_mean_sigmas > 0, "[run] bn_mean_sigmas must be > 0"),
         ]
-        for ok, message in checks:
+        for ok, message in checks + self._server_time_checks():
             if not ok:
                 raise ConfigError(message)
         return self
+
+    def _server_time_checks(self) -> list[tuple[bool, str]]:
+        """[run] server_time and the keys of its mode: each key only with its mode, and only in a replay."""
+        run = self.run
+        mode = run.server_time
+        fixed = {key: getattr(run, key) for key in FIXED_SERVER_TIMES}
+        checks = [
+            (
+                mode in SERVER_TIMES,
+                f"[run] server_time must be one of {', '.join(SERVER_TIMES)}, got {mode!r}",
+            ),
+            (
+                mode == "none" or run.traces is not None,
+                f"[run] server_time = {mode!r} moves a replay's virtual clock: it needs [run] traces",
+            ),
+        ]
+        for key, value in fixed.items():
+            checks.append(
+                (
+                    value is None or 0 <= value < math.inf,
+                    f"[run] {key} must be a finite number of seconds >= 0",
+                )
+            )
+            checks.append(
+                (
+                    value is None or mode == "fixed",
+                    f'[run] {key} is used only with server_time = "fixed" (server_time is {mode!r})',
+                )
+            )
+        checks.append(
+            (
+                mode != "fixed" or any(v is not None for v in fixed.values()),
+                f'[run] server_time = "fixed" needs at least one of {", ".join(FIXED_SERVER_TIMES)}',
+            )
+        )
+        factor = run.server_time_factor
+        checks.append(
+            (factor is None or 0 < factor < math.inf, "[run] server_time_factor must be a finite number > 0")
+        )
+        checks.append(
+            (
+                factor is None or mode == "measured",
+                f'[run] server_time_factor is used only with server_time = "measured" (server_time is {mode!r})',
+            )
+        )
+        return checks
 
 
 SECTIONS = {f.name: f.type for f in fields(SimConfig)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -12,6 +12,10 @@ from nestling.server.strategies.base import DeviceInfo
 from nestling.server.transport import Delivery
 from nestling.simulator.backend import Backend
 from nestling.simulator.durations import Arrival
+
+# Sees every result a simulated board trained, with its task, before anything can alter it (a `tamper`): what a
+# board computed is metered this way (simulator/reproduce_compute.py).
+ResultObserver = Callable[[Task, Result], None]
 
 
 class SimulatedFleet(Protocol):
@@ -59,6 +63,7 @@ class InProcessTransport:
         clock: VirtualClock | None = None,
         fleet: SimulatedFleet | None = None,
         tamper: Callable[[Task, Result], Result | None] | None = None,
+        observers: Sequence[ResultObserver] = (),
     ) -> None:
         if fleet is not None and clock is None:
             raise ValueError("a simulated fleet needs the virtual clock it runs on")
@@ -67,6 +72,9 @@ class InProcessTransport:
         self.clock = clock
         self.fleet = fleet
         self.tamper = tamper  # robustness experiments: what a bad board would send instead of its result
+        self.observers = tuple(
+            observers
+        )  # read-only: they see each trained result, never change what arrives
         self.pending: list[tuple[float, TaskEvent, Task | None]] = []  # None: a dropout event
         self.events: list[TaskEvent] = []  # every task dispatched in a replay; drained per round
 
@@ -129,6 +137,11 @@ class InProcessTransport:
                 for result in delivery.results:
                     if result.task_id in planned:
                         result.metrics["train_wall_s"] = planned[result.task_id]
+            if self.observers:
+                trained = {task.task_id: task for _, _, task in due}
+                for result in delivery.results:
+                    for observe in self.observers:
+                        observe(trained[result.task_id], result)
             if self.tamper is not None:
                 by_id = {task.task_id: task for _, _, task in due}
                 tampered = [(r, self.tamper(by_id[r.task_id], r)) for r in delivery.results]

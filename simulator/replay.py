@@ -2,7 +2,8 @@
 
 Device i replays trace i; with more devices than traces the traces repeat, with more traces than data
 partitions the partitions repeat (device i trains on partition i mod partitions). Each round's tasks
-are written to timeline.jsonl (dispatch, end, outcome) for the report.
+are written to timeline.jsonl (dispatch, end, outcome) for the report. Between rounds the virtual clock
+moves by the server's own time as `[run] server_time` says (simulator/server_time.py).
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from nestling.edge.procedures import ClientData
-from nestling.messages import Task
+from nestling.messages import Result, Task
 from nestling.profiler.traces import DeviceTrace
 from nestling.server.clock import VirtualClock
 from nestling.server.coordinator import RoundRecord
@@ -25,7 +26,8 @@ from nestling.simulator.backend import Backend
 from nestling.simulator.durations import Arrival, TraceDurations
 from nestling.simulator.emulated_fleet import trace_profile
 from nestling.simulator.fleetdata import client_provider, device_id, device_index
-from nestling.simulator.inprocess import InProcessTransport
+from nestling.simulator.inprocess import InProcessTransport, ResultObserver
+from nestling.simulator.server_time import NoServerTime, ServerClock, ServerTime, TimedBackend
 from nestling.spec import SubmodelSpec
 from nestling.strict_json import strict_dumps
 
@@ -120,19 +122,33 @@ class Replay:
         input_shape: tuple[int, int, int],
         out_dir: Path,
         plan: tuple[SubmodelSpec, int] | None = None,
+        *,
+        server_time: ServerTime | None = None,
+        schedule: tuple[int, int] = (1, 1),
+        observers: Sequence[ResultObserver] = (),
+        tamper: Callable[[Task, Result], Result | None] | None = None,
     ) -> None:
+        """`server_time`: how far the clock moves for the server's work after each round (none by default);
+        `schedule`: the run's rounds and checkpoint_every, which say the rounds that write a checkpoint;
+        `observers` and `tamper` as InProcessTransport takes them."""
         self.trace_path = str(trace_path)
         self.fleet = TraceReplay(devices, traces, input_shape, plan)
         self.clock = VirtualClock()
-        self.transport = InProcessTransport(self.fleet.devices, backend, self.clock, self.fleet)
+        timed = TimedBackend(backend)
+        self.transport = InProcessTransport(
+            self.fleet.devices, timed, self.clock, self.fleet, tamper=tamper, observers=observers
+        )
+        self.server = ServerClock(server_time or NoServerTime(), self.clock, timed, out_dir, *schedule)
         self.timeline = out_dir / TIMELINE
 
     def start(self, resume_round: int | None, last_virtual_time: float) -> None:
-        """Fresh run: empty timeline. Resumed: clock at the last kept round's end, later rounds dropped."""
+        """Fresh run: empty timeline. Resumed: clock at the last kept round's end plus the server time that
+        followed it, later rounds dropped."""
+        after_last = self.server.start(resume_round)
         if resume_round is None:
             self.timeline.unlink(missing_ok=True)
             return
-        self.clock.advance_to(last_virtual_time)
+        self.clock.advance_to(last_virtual_time + after_last)
         if self.timeline.exists():
             kept = [
                 line
@@ -142,9 +158,11 @@ class Replay:
             self.timeline.write_text("".join(line + "\n" for line in kept))
 
     def after_round(self, on_round: Callable[[RoundRecord], None] | None) -> Callable[[RoundRecord], None]:
-        """A round hook that appends the round's task events to the timeline, then calls `on_round`."""
+        """A round hook that moves the clock by the server's time for the round, appends the round's task
+        events to the timeline, then calls `on_round`."""
 
         def hook(record: RoundRecord) -> None:
+            self.server.after_round(record)
             events = self.transport.drain_events()
             with self.timeline.open("a") as stream:
                 for event in events:
@@ -157,6 +175,7 @@ class Replay:
                     stream.write(strict_dumps(row) + "\n")
             if on_round is not None:
                 on_round(record)
+            self.server.restart_timing()
 
         return hook
 
@@ -171,6 +190,7 @@ class Replay:
             "device_classes": dict(classes),
             "tasks": len(rows),
             "outcomes": dict(outcomes),
+            "server_time": self.server.summary(),
         }
 
 

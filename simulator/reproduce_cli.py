@@ -133,7 +133,7 @@ def run_one(cfg: SimConfig, run_dir: Path, quiet: bool, title: str) -> None:
             resume=state == "partial",
             overwrite=state == "new",
             on_round=progress.update,
-            tamper=ComputeMeter(run_dir),
+            observers=[ComputeMeter(run_dir)],
         )
 
 

@@ -1,7 +1,7 @@
 """What each method's boards computed in a reproduction: optimizer steps and training MACs per client-round.
 
-A pass-through hook on every delivered result (the simulator's `tamper`, which returns the result unchanged)
-appends one line per client-round to the run folder's compute.jsonl: the steps the board reported taking and
+An observer of every result a simulated board trained (`run_simulation(observers=...)`, read-only) appends one
+line per client-round to the run folder's compute.jsonl: the steps the board reported taking and
 its training MACs by the profiler's rule, 3 × forward MACs of the task's model × samples pushed through it
 (× models, for m-FeDepth's boards that train two). That rule is exact for plain, width- and depth-sliced
 training; it over-counts FeDepth's stages (a stage's step runs forward through its frozen prefix and backward
@@ -23,13 +23,13 @@ COMPUTE_FILE = "compute.jsonl"
 
 
 class ComputeMeter:
-    """Records every delivered result's steps and training MACs (a `tamper` that changes nothing)."""
+    """Records every trained result's steps and training MACs (a simulator result observer)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / COMPUTE_FILE
         self._counters: dict[tuple[int, ...], Any] = {}
 
-    def __call__(self, task: Task, result: Result) -> Result:
+    def __call__(self, task: Task, result: Result) -> None:
         from nestling.profiler.speed import TRAIN_OVER_FORWARD, MacCounter, samples_trained
         from nestling.spec import SubmodelSpec
 
@@ -49,7 +49,6 @@ class ComputeMeter:
         }
         with self.path.open("a") as handle:
             handle.write(strict_dumps(row) + "\n")
-        return result
 
 
 def read_compute(run_dir: Path) -> dict[str, float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,11 @@ from nestling.simulator.backend import (
 )
 from nestling.simulator.batched import BatchPolicy
 from nestling.simulator.fleetdata import FleetData, device_id, device_index, load_fleet_data
-from nestling.simulator.inprocess import InProcessTransport
+from nestling.simulator.inprocess import InProcessTransport, ResultObserver
 from nestling.simulator.parallel_eval import evaluator_for, worker_evaluator
 from nestling.simulator.replay import Replay, cycled_provider, fleet_size
 from nestling.simulator.replay_report import write_replay_report
+from nestling.simulator.server_time import server_time_for
 
 
 def partition_options(cfg: SimConfig) -> dict[str, Any]:
@@ -110,11 +111,14 @@ def run_simulation(
     on_round: Any = None,
     tamper: Any = None,
     hello: Any = None,
+    observers: Sequence[ResultObserver] = (),
 ) -> dict[str, Any]:
     """Run (or resume) a simulation; writes config.toml, metrics.jsonl, checkpoints, summary.json and
     accuracy.png. A folder holding a run is refused unless `resume` or `overwrite`; it is claimed only once
     the data, the strategy and the backend are ready, so a failed start leaves it as it was; a finished run
     resumed returns its summary and changes nothing.
+    `observers`: each called with (task, result) for every result a simulated board trained, read-only (what
+    the boards computed: simulator/reproduce_compute.py).
     `tamper(task, result) -> result | None` (None: refused at the wire) and `hello(devices) -> devices` (what
     the boards registered) stand in for bad boards (benchmarks/robustness.py)."""
     started = time.perf_counter()
@@ -155,9 +159,25 @@ def run_simulation(
     replay = None
     if traces:
         plan = (strategy.full_spec, strategy.batch_size)  # replayed boards send their trace's profile
-        replay = Replay(str(cfg.run.traces), traces, devices, backend, bundle.input_shape, out_dir, plan)
+        replay = Replay(
+            str(cfg.run.traces),
+            traces,
+            devices,
+            backend,
+            bundle.input_shape,
+            out_dir,
+            plan,
+            server_time=server_time_for(cfg.run),
+            schedule=(cfg.run.rounds, cfg.run.checkpoint_every),
+            observers=observers,
+            tamper=tamper,
+        )
     registered = hello(list(devices)) if hello is not None else devices
-    transport = replay.transport if replay else InProcessTransport(registered, backend, tamper=tamper)
+    transport = (
+        replay.transport
+        if replay
+        else InProcessTransport(registered, backend, tamper=tamper, observers=observers)
+    )
     evaluation = {
         "batch_size": cfg.run.eval_batch,
         "calibration_samples": cfg.run.calibration_samples,

@@ -231,10 +231,58 @@ def test_a_replay_is_reused_only_for_the_same_settings_and_trace(
     other = fidelity.argparse.Namespace(**{**vars(a), "deadline": 99.0, "out": tmp_path / "elsewhere"})
     assert fidelity_mixed.replay_fingerprint(other, trace) != fidelity_mixed.replay_fingerprint(a, trace)
     assert fidelity_mixed.replay_fingerprint(
-        fidelity.argparse.Namespace(**{**vars(a), "out": None, "settle": 9}), trace
-    ) == fidelity_mixed.replay_fingerprint(a, trace)  # where and how patiently to run do not matter
+        fidelity.argparse.Namespace(**{**vars(a), "out": None, "settle": 9, "fleet_from": tmp_path}), trace
+    ) == fidelity_mixed.replay_fingerprint(
+        a, trace
+    )  # where and how patiently to run, and which fleet, do not matter
 
 
 def test_the_hosts_training_speed_is_read_from_the_emulation_lines() -> None:
     emulation = {0: {"a": {"compute_s": 2.0, "host_s": 1.0}, "b": {"compute_s": 3.0, "host_s": 0.0}}}
     assert fidelity_mixed.host_speeds(emulation, {"a": 4.0, "b": 1.0}) == [8.0]  # b: no training measured
+
+
+def test_the_fixed_replay_moves_its_clock_by_the_fleets_mean_time_between_rounds() -> None:
+    fleet = [metrics_row(0, 0.0, 5.0, 0.1), metrics_row(1, 5.5, 9.0, 0.1), metrics_row(2, 9.3, 12.0, 0.1)]
+    assert fidelity_mixed.fixed_server_time(fleet) == {"server_time": "fixed", "server_round_s": 0.4}
+    with pytest.raises(ValueError, match="one round"):
+        fidelity_mixed.fixed_server_time(fleet[:1])
+    assert fidelity_mixed.fixed_server_time(fleet, 0.5) == {"server_time": "fixed", "server_round_s": 0.5}
+
+
+def test_a_replay_that_measures_its_server_time_is_never_reused(tmp_path) -> None:
+    a = fidelity.argparse.Namespace(
+        **{**fidelity_mixed.MIXED_DEFAULTS, "out": tmp_path, "replay_only": False}
+    )
+    trace = tmp_path / "fleet.jsonl"
+    trace.write_text('{"device_id": "a"}\n')
+    none = fidelity_mixed.replay_fingerprint(a, trace)
+    fixed = fidelity_mixed.replay_fingerprint(a, trace, {"server_time": "fixed", "server_round_s": 0.4})
+    other = fidelity_mixed.replay_fingerprint(a, trace, {"server_time": "fixed", "server_round_s": 0.5})
+    assert len({none, fixed, other}) == 3
+    assert none == fidelity_mixed.replay_fingerprint(a, trace, {})  # no server time: as before
+    sim = tmp_path / "sim"
+    sim.mkdir()
+    (sim / "timeline.jsonl").write_text("{}\n")
+    measured = {"server_time": "measured"}
+    for server, print_ in ((None, none), ({"server_time": "fixed", "server_round_s": 0.4}, fixed)):
+        (sim / "replay-settings.json").write_text(print_)
+        assert fidelity_mixed.can_reuse(sim, print_, server)
+        assert not fidelity_mixed.can_reuse(sim, other, server)
+    stamp = fidelity_mixed.replay_fingerprint(a, trace, measured)
+    (sim / "replay-settings.json").write_text(stamp)
+    assert not fidelity_mixed.can_reuse(sim, stamp, measured)  # it measured this host, at that moment
+
+
+def test_a_recorded_fleet_must_have_run_the_same_trace(tmp_path) -> None:
+    trace = tmp_path / "fleet.jsonl"
+    trace.write_text('{"device_id": "a"}\n')
+    recorded = tmp_path / "recorded"
+    a = fidelity.argparse.Namespace(**{**fidelity_mixed.MIXED_DEFAULTS, "fleet_from": recorded})
+    with pytest.raises(ValueError, match="no finished fleet run there"):
+        fidelity_mixed.recorded_fleet(a, trace)
+    (recorded / "fleet").mkdir(parents=True)
+    (recorded / "fleet" / "metrics.jsonl").write_text("")
+    (recorded / "fleet.jsonl").write_text('{"device_id": "b"}\n')
+    with pytest.raises(ValueError, match="another trace"):
+        fidelity_mixed.recorded_fleet(a, trace)
