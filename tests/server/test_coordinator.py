@@ -233,11 +233,11 @@ def test_the_screenings_look_back_is_recorded_and_restored_on_resume(make_ctx, t
     first.run()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(line["update_rms"] > 0 for line in lines)
-    assert list(first._recent_rms) == [line["update_rms"] for line in lines]
+    assert list(first.admission.recent_rms) == [line["update_rms"] for line in lines]
     (tmp_path / "checkpoints" / "round-000002").rename(tmp_path / "dropped")
     resumed = coordinator(make_ctx, varied, tmp=tmp_path, checkpoint_every=1, rounds=3)
     assert resumed.resume() == 2
-    assert list(resumed._recent_rms) == [line["update_rms"] for line in lines[:2]]
+    assert list(resumed.admission.recent_rms) == [line["update_rms"] for line in lines[:2]]
 
 
 def test_packed_results_are_measured_at_the_round_end_and_a_non_finite_update_is_refused_there(
@@ -260,7 +260,7 @@ def test_packed_results_are_measured_at_the_round_end_and_a_non_finite_update_is
     record = coord.run_round(0)
     assert record.accepted == 2 and record.aggregated
     assert {k: v for k, v in record.counters.items() if v} == {"rejected_update_norm": 1}
-    assert coord._non_finite == {"dev-00000"}
-    assert not coord._refused_tasks  # not refused on arrival (that path records the task for the quorum)
+    assert coord.admission.non_finite == {"dev-00000"}
+    assert not coord.admission.refused_tasks  # not refused on arrival (that path records the task for the quorum)
     state = coord.strategy.global_state
     assert all(torch.allclose(v, torch.full_like(v, 2.5)) for v in state.values() if v.is_floating_point())
