@@ -15,6 +15,7 @@ from nestling.server.clock import VirtualClock
 from nestling.server.coordinator import Coordinator, RoundPolicy
 from nestling.server.strategies import DeviceInfo, create_strategy
 from nestling.server.transport import Delivery
+from tests.server.round_helpers import fleet, result_for
 
 
 class ScriptedTransport:
@@ -42,26 +43,6 @@ class ScriptedTransport:
 
     def cancel(self, round_index: int) -> None:
         self.pending = []
-
-
-def fleet(n: int) -> list[DeviceInfo]:
-    return [DeviceInfo(f"dev-{i:05d}", i, 10 + i) for i in range(n)]
-
-
-def result_for(task: Task, value: float = 1.0, **changes) -> Result:
-    weights = {
-        k: torch.full_like(v, value) if v.is_floating_point() else v.clone() for k, v in task.weights.items()
-    }
-    fields = {
-        "round": task.round,
-        "device_id": task.device_id,
-        "task_id": task.task_id,
-        "spec_id": task.spec_id,
-        "weights": weights,
-        "num_samples": 10,
-    }
-    fields.update(changes)
-    return Result(**fields)
 
 
 def coordinator(make_ctx, respond, *, clients: int = 10, tmp: Path | None = None, **policy) -> Coordinator:
@@ -261,6 +242,8 @@ def test_packed_results_are_measured_at_the_round_end_and_a_non_finite_update_is
     assert record.accepted == 2 and record.aggregated
     assert {k: v for k, v in record.counters.items() if v} == {"rejected_update_norm": 1}
     assert coord.admission.non_finite == {"dev-00000"}
-    assert not coord.admission.refused_tasks  # not refused on arrival (that path records the task for the quorum)
+    assert (
+        not coord.admission.refused_tasks
+    )  # not refused on arrival (that path records the task for the quorum)
     state = coord.strategy.global_state
     assert all(torch.allclose(v, torch.full_like(v, 2.5)) for v in state.values() if v.is_floating_point())
