@@ -13,6 +13,7 @@ from nestling.messages import Result, Task
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
 from nestling.server.clock import VirtualClock
 from nestling.server.coordinator import Coordinator, RoundPolicy
+from nestling.server.screening import RobustPolicy
 from nestling.server.strategies import DeviceInfo, create_strategy
 from nestling.server.transport import Delivery
 from tests.server.round_helpers import fleet, result_for
@@ -247,3 +248,25 @@ def test_packed_results_are_measured_at_the_round_end_and_a_non_finite_update_is
     )  # not refused on arrival (that path records the task for the quorum)
     state = coord.strategy.global_state
     assert all(torch.allclose(v, torch.full_like(v, 2.5)) for v in state.values() if v.is_floating_point())
+
+
+def test_a_diverging_round_is_undone_and_its_boards_sit_out_their_quarantine(make_ctx) -> None:
+    """The loop wires the guard in: the round's aggregation is undone, its boards are not selected in the
+    quarantine's rounds, and the coordinator reports what the guard keeps."""
+    coord = coordinator(
+        make_ctx,
+        lambda tasks: [result_for(t, 1e6 if t.round == 0 else 1.0) for t in tasks],
+        clients=3,
+        fraction=1.0,
+        robust=RobustPolicy(quarantine_rounds=1),
+    )
+    before = {k: v.clone() for k, v in coord.strategy.global_state.items()}
+    diverged = coord.run_round(0)
+    boards = ["dev-00000", "dev-00001", "dev-00002"]
+    assert not diverged.aggregated and diverged.rolled_back == 0 and diverged.quarantined == boards
+    assert all(torch.equal(v, before[k]) for k, v in coord.strategy.global_state.items())
+    assert coord.quarantine == dict.fromkeys(boards, 2)
+    assert coord.quarantine_log == [{"round": 0, "devices": boards, "until_round": 2}]
+    assert coord.run_round(1).selected == 0
+    assert coord.run_round(2).aggregated and coord.aggregate_seconds > 0.0
+    assert coord.totals["rolled_back"] == 1 and coord.totals["rounds_below_quorum"] == 1
