@@ -13,8 +13,10 @@ from nestling.messages import Result, Task
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
 from nestling.server.clock import VirtualClock
 from nestling.server.coordinator import Coordinator, RoundPolicy
+from nestling.server.screening import RobustPolicy
 from nestling.server.strategies import DeviceInfo, create_strategy
 from nestling.server.transport import Delivery
+from tests.server.round_helpers import fleet, result_for
 
 
 class ScriptedTransport:
@@ -42,26 +44,6 @@ class ScriptedTransport:
 
     def cancel(self, round_index: int) -> None:
         self.pending = []
-
-
-def fleet(n: int) -> list[DeviceInfo]:
-    return [DeviceInfo(f"dev-{i:05d}", i, 10 + i) for i in range(n)]
-
-
-def result_for(task: Task, value: float = 1.0, **changes) -> Result:
-    weights = {
-        k: torch.full_like(v, value) if v.is_floating_point() else v.clone() for k, v in task.weights.items()
-    }
-    fields = {
-        "round": task.round,
-        "device_id": task.device_id,
-        "task_id": task.task_id,
-        "spec_id": task.spec_id,
-        "weights": weights,
-        "num_samples": 10,
-    }
-    fields.update(changes)
-    return Result(**fields)
 
 
 def coordinator(make_ctx, respond, *, clients: int = 10, tmp: Path | None = None, **policy) -> Coordinator:
@@ -233,11 +215,11 @@ def test_the_screenings_look_back_is_recorded_and_restored_on_resume(make_ctx, t
     first.run()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(line["update_rms"] > 0 for line in lines)
-    assert list(first._recent_rms) == [line["update_rms"] for line in lines]
+    assert list(first.admission.recent_rms) == [line["update_rms"] for line in lines]
     (tmp_path / "checkpoints" / "round-000002").rename(tmp_path / "dropped")
     resumed = coordinator(make_ctx, varied, tmp=tmp_path, checkpoint_every=1, rounds=3)
     assert resumed.resume() == 2
-    assert list(resumed._recent_rms) == [line["update_rms"] for line in lines[:2]]
+    assert list(resumed.admission.recent_rms) == [line["update_rms"] for line in lines[:2]]
 
 
 def test_packed_results_are_measured_at_the_round_end_and_a_non_finite_update_is_refused_there(
@@ -260,7 +242,31 @@ def test_packed_results_are_measured_at_the_round_end_and_a_non_finite_update_is
     record = coord.run_round(0)
     assert record.accepted == 2 and record.aggregated
     assert {k: v for k, v in record.counters.items() if v} == {"rejected_update_norm": 1}
-    assert coord._non_finite == {"dev-00000"}
-    assert not coord._refused_tasks  # not refused on arrival (that path records the task for the quorum)
+    assert coord.admission.non_finite == {"dev-00000"}
+    assert (
+        not coord.admission.refused_tasks
+    )  # not refused on arrival (that path records the task for the quorum)
     state = coord.strategy.global_state
     assert all(torch.allclose(v, torch.full_like(v, 2.5)) for v in state.values() if v.is_floating_point())
+
+
+def test_a_diverging_round_is_undone_and_its_boards_sit_out_their_quarantine(make_ctx) -> None:
+    """The loop wires the guard in: the round's aggregation is undone, its boards are not selected in the
+    quarantine's rounds, and the coordinator reports what the guard keeps."""
+    coord = coordinator(
+        make_ctx,
+        lambda tasks: [result_for(t, 1e6 if t.round == 0 else 1.0) for t in tasks],
+        clients=3,
+        fraction=1.0,
+        robust=RobustPolicy(quarantine_rounds=1),
+    )
+    before = {k: v.clone() for k, v in coord.strategy.global_state.items()}
+    diverged = coord.run_round(0)
+    boards = ["dev-00000", "dev-00001", "dev-00002"]
+    assert not diverged.aggregated and diverged.rolled_back == 0 and diverged.quarantined == boards
+    assert all(torch.equal(v, before[k]) for k, v in coord.strategy.global_state.items())
+    assert coord.quarantine == dict.fromkeys(boards, 2)
+    assert coord.quarantine_log == [{"round": 0, "devices": boards, "until_round": 2}]
+    assert coord.run_round(1).selected == 0
+    assert coord.run_round(2).aggregated and coord.aggregate_seconds > 0.0
+    assert coord.totals["rolled_back"] == 1 and coord.totals["rounds_below_quorum"] == 1
