@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from nestling.cli_numbers import non_negative_float, positive_float, positive_int, share
@@ -194,7 +195,7 @@ def fleet_plan_main(args: argparse.Namespace) -> int:
         )
         rows = fleet_plan(strategy, registered_devices(args.fleet), round_index)
     except (NestlingError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     plan = fleet_plan_json(args.fleet, strategy, round_index, source, rows)
     console.print(_fleet_table(plan))
@@ -237,7 +238,7 @@ def plan_main(argv: list[str]) -> int:
             options=_parse_options(args.option),
         )
     except (NestlingError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     _write_json(args.out, plan_to_json(args.method, rows, batch, model=args.model, **extra))
     console.print(_plan_table(args.method, rows))

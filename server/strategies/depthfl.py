@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -11,8 +12,10 @@ from nestling.aggregation import masked_mean
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
-from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.base import DeviceInfo, EvalTarget
+from nestling.server.strategies.options import MethodOptions
 from nestling.server.strategies.registry import register_strategy
+from nestling.server.strategies.submodel import SubmodelStrategy
 from nestling.spec import SubmodelSpec
 
 
@@ -22,27 +25,31 @@ def stage_ends(arch: str, image_size: int, extra: dict | None = None) -> list[in
     return [b.index for a, b in itertools.pairwise(infos) if b.stage != a.stage] + [len(infos)]
 
 
+@dataclass(frozen=True)
+class DepthFLOptions(MethodOptions):
+    kd: bool = True
+    kd_ramp_rounds: int = 300
+    exit_kind: str = "depthfl"
+    # FedDyn with α = 0.1 as the DepthFL reference trains (METHODS §7.3: its published numbers include it);
+    # feddyn_alpha = 0 turns it off (NeFL's and FeDepth's DepthFL baselines, AMBIG-20).
+    feddyn_alpha: float = 0.1
+
+
 @register_strategy
-class DepthFL(Strategy):
+class DepthFL(SubmodelStrategy):
     """Client group d ∈ 1..S (S stages) trains the stem, stages 1..d and classifiers 1..d.
 
     Inference of a depth-d model averages the logits of its d classifiers (the DepthFL ensemble)."""
 
     name = "depthfl"
     procedure = "depthfl-kd"
-    # FedDyn with α = 0.1 as the DepthFL reference trains (METHODS §7.3: its published numbers include it);
-    # feddyn_alpha = 0 turns it off (NeFL's and FeDepth's DepthFL baselines, AMBIG-20).
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "kd": True,
-        "kd_ramp_rounds": 300,
-        "exit_kind": "depthfl",
-        "feddyn_alpha": 0.1,
-    }
+    options_type: ClassVar[type[MethodOptions]] = DepthFLOptions
+    options: DepthFLOptions
 
     def make_model_config(self) -> ModelConfig:
         ends = stage_ends(self.ctx.arch, self.ctx.image_size, self.ctx.model_extra)
         return self.ctx.model_config(
-            exit_points=tuple(e - 1 for e in ends[:-1]), exit_kind=str(self.options["exit_kind"])
+            exit_points=tuple(e - 1 for e in ends[:-1]), exit_kind=self.options.exit_kind
         )
 
     def setup(self) -> None:
@@ -65,15 +72,15 @@ class DepthFL(Strategy):
     def local_hparams(self, round_index: int, device: DeviceInfo, spec: SubmodelSpec) -> dict[str, Any]:
         hp = super().local_hparams(round_index, device, spec)
         hp.update(
-            kd=bool(self.options["kd"]),
-            kd_ramp_rounds=int(self.options["kd_ramp_rounds"]),
-            feddyn_alpha=float(self.options["feddyn_alpha"]),
+            kd=self.options.kd,
+            kd_ramp_rounds=self.options.kd_ramp_rounds,
+            feddyn_alpha=self.options.feddyn_alpha,
         )
         return hp
 
     def aggregate(self, round_index: int, accepted: list[tuple[Task, Result]]) -> None:
         """Count-based mean; with FedDyn, the server state h corrects the mean of trainable tensors (§7.3)."""
-        alpha = float(self.options["feddyn_alpha"])
+        alpha = self.options.feddyn_alpha
         if alpha <= 0:
             super().aggregate(round_index, accepted)
             return

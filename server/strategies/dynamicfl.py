@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -20,41 +21,51 @@ from nestling.models.zoo import build
 from nestling.profiler.estimator import training_memory
 from nestling.profiler.planner import device_memory_budget
 from nestling.reparam import BRANCHES, ConvSite, affordable_capacity, find_sites
-from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.base import DeviceInfo, EvalTarget
+from nestling.server.strategies.options import MethodOptions
 from nestling.server.strategies.registry import register_strategy
+from nestling.server.strategies.submodel import SubmodelStrategy
 from nestling.spec import SubmodelSpec
 
 PROTOCOLS = ("paper", "released")
 
 
+@dataclass(frozen=True)
+class DynamicFLOptions(MethodOptions):
+    protocol: str = "paper"  # "paper": structure kept per board (DYMM + DyRep cuts); "released": stateless
+    capacities: tuple[int, ...] = (
+        0,
+        1,
+        2,
+    )  # capacity tiers by client index when a board registered no budget
+    max_capacity: int | None = None  # cap on a budget-derived capacity (None: every expandable conv)
+    local_weight: float = 0.5  # S = w·S^l + (1 − w)·S^g (AMBIG-15)
+    cut_spread: float = 0.02  # DyRep: cut only when the std of branch weights exceeds this ...
+    cut_floor: float = 0.1  # ... and a branch's weight is below the mean and below this
+    keep_branches: bool = True  # a board keeps its trained branch tensors between rounds (paper protocol)
+    recalibration_batches: int = 20  # BN recalibration passes after an expansion (METHODS §5.a.3: R = 20)
+    inner_width: int | None = None  # D of the 1×1→K×K branch (None: C_in, as the code)
+
+
 @register_strategy
-class DynamicFL(Strategy):
+class DynamicFL(SubmodelStrategy):
     """FedAvg of plain uploads; per-board capacity, protocol and DYMM knobs travel in the task's hparams."""
 
     name = "dynamicfl"
     procedure = "dynamicfl"
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "protocol": "paper",  # "paper": structure kept per board (DYMM + DyRep cuts); "released": stateless
-        "capacities": [0, 1, 2],  # capacity tiers by client index when a board registered no budget
-        "max_capacity": None,  # cap on a budget-derived capacity (None: every expandable conv)
-        "local_weight": 0.5,  # S = w·S^l + (1 − w)·S^g (AMBIG-15)
-        "cut_spread": 0.02,  # DyRep: cut only when the std of branch weights exceeds this ...
-        "cut_floor": 0.1,  # ... and a branch's weight is below the mean and below this
-        "keep_branches": True,  # a board keeps its trained branch tensors between rounds (paper protocol)
-        "recalibration_batches": 20,  # BN recalibration passes after an expansion (METHODS §5.a.3: R = 20)
-        "inner_width": None,  # D of the 1×1→K×K branch (None: C_in, as the code)
-    }
+    options_type: ClassVar[type[MethodOptions]] = DynamicFLOptions
+    options: DynamicFLOptions
 
     def setup(self) -> None:
-        protocol = str(self.options["protocol"])
+        protocol = self.options.protocol
         if protocol not in PROTOCOLS:
             raise ConfigError(f"[method] dynamicfl protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        capacities = self.options["capacities"]
-        if not isinstance(capacities, list) or not capacities or any(int(c) < 0 for c in capacities):
+        capacities = self.options.capacities
+        if not capacities or any(c < 0 for c in capacities):
             raise ConfigError(
-                f"[method] dynamicfl capacities must be a non-empty list of ints >= 0, got {capacities!r}"
+                f"[method] dynamicfl capacities must be a non-empty list of ints >= 0, got {list(capacities)!r}"
             )
-        self.capacities = [int(c) for c in capacities]
+        self.capacities = list(capacities)
         self.spec = self.full_spec
         self._capacity_log: dict[str, int] = {}  # device -> capacity last assigned (summary)
         self._structures: dict[str, dict[str, list[str]]] = {}  # device -> last reported structure
@@ -71,20 +82,17 @@ class DynamicFL(Strategy):
         """Convs this board may expand: what its spare memory affords beside the plain model, else its tier."""
         budget = device_memory_budget(device.memory_budget_bytes, device.profile)
         if budget is not None:
-            batch = int(self.ctx.local.get("batch_size", 32))
-            momentum = float(self.ctx.local.get("momentum", 0.0)) > 0
+            batch, momentum = self.ctx.batch_size, self.ctx.momentum
             spare = budget - training_memory(self.spec, batch, momentum=momentum)
             if spare <= 0:
                 return 0
-            limit = self.options["max_capacity"]
-            inner = self.options["inner_width"]
             return affordable_capacity(
                 self.sites,
                 spare,
                 batch=batch,
                 momentum=momentum,
-                inner_width=None if inner is None else int(inner),
-                limit=None if limit is None else int(limit),
+                inner_width=self.options.inner_width,
+                limit=self.options.max_capacity,
             )
         if device.tier is not None:
             return self.capacities[min(device.tier, len(self.capacities) - 1)]
@@ -101,15 +109,15 @@ class DynamicFL(Strategy):
         hp.update(
             capacity=capacity,
             round=round_index,
-            protocol=self.options["protocol"],
-            local_weight=float(self.options["local_weight"]),
-            cut_spread=float(self.options["cut_spread"]),
-            cut_floor=float(self.options["cut_floor"]),
-            keep_branches=bool(self.options["keep_branches"]),
-            recalibration_batches=int(self.options["recalibration_batches"]),
+            protocol=self.options.protocol,
+            local_weight=self.options.local_weight,
+            cut_spread=self.options.cut_spread,
+            cut_floor=self.options.cut_floor,
+            keep_branches=self.options.keep_branches,
+            recalibration_batches=self.options.recalibration_batches,
         )
-        if self.options["inner_width"] is not None:
-            hp["inner_width"] = int(self.options["inner_width"])
+        if self.options.inner_width is not None:
+            hp["inner_width"] = self.options.inner_width
         return hp
 
     def aggregation_weight(self, result: Result) -> float:
@@ -166,7 +174,7 @@ class DynamicFL(Strategy):
             entry["structures"][device] = structure
         for entry in classes.values():
             entry["expanded_sites"] = dict(entry["expanded_sites"].most_common())
-        return {"dynamicfl": {"protocol": self.options["protocol"], "classes": classes}}
+        return {"dynamicfl": {"protocol": self.options.protocol, "classes": classes}}
 
     def state_meta(self) -> dict[str, Any]:
         return {"structures": self._structures, "classes": self._classes}

@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 from nestling.messages import Result
-from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.base import DeviceInfo, EvalTarget
+from nestling.server.strategies.options import MethodOptions
 from nestling.server.strategies.registry import register_strategy
+from nestling.server.strategies.submodel import SubmodelStrategy
 from nestling.spec import SubmodelSpec
 
 
+@dataclass(frozen=True)
+class FedAvgOptions(MethodOptions):
+    width: float = 1.0  # < 1: the "FedAvg ×r" baseline
+
+
 @register_strategy
-class FedAvg(Strategy):
+class FedAvg(SubmodelStrategy):
     """`width` < 1 gives the "FedAvg ×r" baseline: the whole fleet trains the model every board can hold."""
 
     name = "fedavg"
-    option_defaults: ClassVar[dict[str, Any]] = {"width": 1.0}
+    options_type: ClassVar[type[MethodOptions]] = FedAvgOptions
+    options: FedAvgOptions
 
     def setup(self) -> None:
-        self.spec = SubmodelSpec(self.model, width=float(self.options["width"]))
+        self.spec = SubmodelSpec(self.model, width=self.options.width)
 
     def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
         return self.spec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from nestling.aggregation import Contribution
@@ -20,9 +21,13 @@ from nestling.profiler.decompose import (
     width_budget,
 )
 from nestling.profiler.estimator import estimate
-from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.profiler.planner import plan_depthwise
+from nestling.server.strategies.base import DeviceInfo, EvalTarget
 from nestling.server.strategies.fedepth_paper import paper_plan
+from nestling.server.strategies.options import MethodOptions
+from nestling.server.strategies.planning import FleetPlan, Plannable, PlanRequest
 from nestling.server.strategies.registry import register_strategy
+from nestling.server.strategies.submodel import SubmodelStrategy
 from nestling.spec import SubmodelSpec
 
 log = logging.getLogger(__name__)
@@ -36,7 +41,7 @@ BUDGET_PRESETS: dict[str, tuple[float, ...]] = {
 }
 
 
-def budget_ratios(option: Any) -> tuple[float, ...]:
+def budget_ratios(option: str | tuple[float, ...]) -> tuple[float, ...]:
     """A preset name or an explicit list of width ratios."""
     if isinstance(option, str):
         try:
@@ -57,8 +62,31 @@ def budget_ratios(option: Any) -> tuple[float, ...]:
     return ratios
 
 
+@dataclass(frozen=True)
+class FeDepthOptions(MethodOptions):
+    budgets: str | tuple[float, ...] = "fair"  # a BUDGET_PRESETS name or width ratios, one tier each
+    tolerance: float = 0.05
+    variant: str = "skip"
+    memory: str = "estimate"
+    stage_steps: str = "full"
+    masked_ce: bool = False
+    norm_stats: str = "batch"
+    resource_weight: bool = False
+    aggregate_bypassed: bool = True
+    max_models: int = 1
+    kd_weight: float = 1.0
+    mutual_depthwise: bool = False
+    plan: str = "memory"
+
+
+@dataclass(frozen=True)
+class MFeDepthOptions(FeDepthOptions):
+    budgets: str | tuple[float, ...] = "surplus"
+    max_models: int = 2
+
+
 @register_strategy
-class FeDepth(Strategy):
+class FeDepth(Plannable, SubmodelStrategy):
     """Plans come from the greedy decomposition of each client's budget over the run's per-block training
     memory (estimated, or measured on this machine with `memory = "measure"`), or with `plan = "paper"` from
     the paper's own PreResNet-20 table (the stages METHODS §3.a.2 lists). Aggregation is FedAvg over
@@ -66,28 +94,14 @@ class FeDepth(Strategy):
     unless `aggregate_bypassed = false`."""
 
     name = "fedepth"
-    planning = "depthwise"
-    option_types: ClassVar[dict[str, tuple[type, ...] | None]] = {"budgets": (str, list, tuple)}
+    planning: ClassVar[str] = "depthwise"
     sizing_reason = "decomposed by memory"  # a profiled board's stages follow its measured memory
     procedure = "fedepth"
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "budgets": "fair",
-        "tolerance": 0.05,
-        "variant": "skip",
-        "memory": "estimate",
-        "stage_steps": "full",
-        "masked_ce": False,
-        "norm_stats": "batch",
-        "resource_weight": False,
-        "aggregate_bypassed": True,
-        "max_models": 1,
-        "kd_weight": 1.0,
-        "mutual_depthwise": False,
-        "plan": "memory",
-    }
+    options_type: ClassVar[type[MethodOptions]] = FeDepthOptions
+    options: FeDepthOptions
 
     def make_model_config(self) -> ModelConfig:
-        variant, stats = self.options["variant"], self.options["norm_stats"]
+        variant, stats = self.options.variant, self.options.norm_stats
         if variant not in ("skip", "aux"):
             raise ConfigError(f"[method] {self.name} variant must be 'skip' or 'aux', got '{variant}'")
         if stats not in ("batch", "running"):
@@ -99,24 +113,22 @@ class FeDepth(Strategy):
         return model
 
     def setup(self) -> None:
-        for key, allowed in (
-            ("memory", ("estimate", "measure")),
-            ("stage_steps", ("full", "split")),
-            ("plan", ("memory", "paper")),
+        for key, value, allowed in (
+            ("memory", self.options.memory, ("estimate", "measure")),
+            ("stage_steps", self.options.stage_steps, ("full", "split")),
+            ("plan", self.options.plan, ("memory", "paper")),
         ):
-            if self.options[key] not in allowed:
-                raise ConfigError(
-                    f"[method] {self.name} {key} must be one of {allowed}, got '{self.options[key]}'"
-                )
-        self.ratios = budget_ratios(self.options["budgets"])
+            if value not in allowed:
+                raise ConfigError(f"[method] {self.name} {key} must be one of {allowed}, got '{value}'")
+        self.ratios = budget_ratios(self.options.budgets)
         # Without bypassed blocks in the mean, their tensors are left out of the upload.
-        self.partial_uploads = not bool(self.options["aggregate_bypassed"])  # type: ignore[misc]
-        self.tolerance = float(self.options["tolerance"])
-        self.max_models = int(self.options["max_models"])
+        self.partial_uploads = not self.options.aggregate_bypassed  # type: ignore[misc]
+        self.tolerance = self.options.tolerance
+        self.max_models = self.options.max_models
         if self.max_models < 1:
             raise ConfigError(f"[method] max_models must be >= 1, got {self.max_models}")
-        self.batch = int(self.ctx.local.get("batch_size", 32))
-        self.momentum = float(self.ctx.local.get("momentum", 0.0)) > 0.0
+        self.batch = self.ctx.batch_size
+        self.momentum = self.ctx.momentum
         self.stem_every_stage = family_of(self.model.arch).stem_trains_every_stage  # §3.a.9 (ViT)
         self.costs = self._cost_table()
         self.ratio_bytes = {r: self._width_bytes(r) for r in self.ratios}
@@ -125,7 +137,7 @@ class FeDepth(Strategy):
         self._paper_bytes: dict[float, int] = {}
         for r, budget in self.ratio_bytes.items():
             try:
-                if self.options["plan"] == "paper":
+                if self.options.plan == "paper":
                     self.paper_plan_for(r)
                 else:
                     self.plan_for_budget(budget)
@@ -135,8 +147,8 @@ class FeDepth(Strategy):
                 ) from None
 
     def _cost_table(self) -> DepthCosts:
-        aux = self.options["variant"] == "aux"
-        if self.options["memory"] == "measure":
+        aux = self.options.variant == "aux"
+        if self.options.memory == "measure":
             from nestling.profiler.measure import profile_model
 
             profile = profile_model(
@@ -151,7 +163,7 @@ class FeDepth(Strategy):
         return depth_costs(estimate(self.full_spec, self.batch, momentum=self.momentum), aux_heads=aux)
 
     def _width_bytes(self, ratio: float) -> int:
-        if self.options["memory"] == "measure" and ratio <= 1.0:
+        if self.options.memory == "measure" and ratio <= 1.0:
             from nestling.profiler.measure import profile_model
 
             plain = SubmodelSpec(self.model.with_(exit_points=()), width=ratio)
@@ -179,7 +191,7 @@ class FeDepth(Strategy):
                     plan = self.costs.plan(budget, self.tolerance, models, self.stem_every_stage)
                 except ConfigError:
                     continue
-                if not plan.bypass and (plan.num_stages == 1 or self.options["mutual_depthwise"]):
+                if not plan.bypass and (plan.num_stages == 1 or self.options.mutual_depthwise):
                     chosen = (plan, models)
                     break
             self._plans[budget] = chosen or (
@@ -205,7 +217,7 @@ class FeDepth(Strategy):
                 ratio,
                 self.tolerance,
                 self.max_models,
-                bool(self.options["mutual_depthwise"]),
+                self.options.mutual_depthwise,
             )
         return self._paper_plans[ratio]
 
@@ -229,15 +241,36 @@ class FeDepth(Strategy):
 
     def plan_for(self, device: DeviceInfo) -> tuple[StagePlan, int]:
         try:
-            if self.options["plan"] == "paper":
+            if self.options.plan == "paper":
                 return self.paper_plan_for(self.paper_ratio_of(device))
             return self.plan_for_budget(self.budget_of(device))
         except ConfigError as exc:
             raise ConfigError(f"device {device.device_id}: {exc}") from None
 
+    @classmethod
+    def plan_fleet(cls, request: PlanRequest) -> FleetPlan:
+        """Each device's stages (and models, m-FeDepth) within its budget, decomposed over this method's per-block
+        training memory at the request's tolerance τ; the facts record the tier budgets and the cost table."""
+        strategy = cls(request.context({"tolerance": request.tolerance, **request.options}))
+        costs = strategy.costs
+        rows = plan_depthwise(
+            costs,
+            estimate(strategy.full_spec, request.batch, momentum=True),
+            request.devices,
+            tolerance=request.tolerance,
+            plan_of=strategy.plan_for_budget,
+            stem_every_stage=strategy.stem_every_stage,
+        )
+        facts = {
+            "budgets": {f"{r:.4g}": b for r, b in strategy.ratio_bytes.items()},
+            "block_bytes": [int(b) for b in costs.blocks],
+            "stem_bytes": int(costs.stem),
+        }
+        return FleetPlan(rows, facts)
+
     # -- the Strategy interface ------------------------------------------------------------------------
     def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
-        if self.options["variant"] != "aux":
+        if self.options.variant != "aux":
             return self.full_spec
         plan, _ = self.plan_for(device)
         last = len(block_infos(self.model.arch, self.model.image_size, self.model.extra)) - 1
@@ -250,11 +283,11 @@ class FeDepth(Strategy):
         hp.update(
             plan=plan.to_dict(),
             models=models,
-            variant=self.options["variant"],
-            stage_steps=self.options["stage_steps"],
-            masked_ce=bool(self.options["masked_ce"]),
-            kd_weight=float(self.options["kd_weight"]),
-            aggregate_bypassed=bool(self.options["aggregate_bypassed"]),
+            variant=self.options.variant,
+            stage_steps=self.options.stage_steps,
+            masked_ce=self.options.masked_ce,
+            kd_weight=self.options.kd_weight,
+            aggregate_bypassed=self.options.aggregate_bypassed,
             stem_every_stage=self.stem_every_stage,
             tier=self.tier_of(device),
         )
@@ -269,7 +302,7 @@ class FeDepth(Strategy):
         self, accepted: list[tuple[Task, Result]], keys: set[str] | None = None
     ) -> list[Contribution]:
         out = super().contributions(accepted, keys)
-        if self.options["resource_weight"]:  # the reference's `resouce_w` flag: p_k × (tier + 1)
+        if self.options.resource_weight:  # the reference's `resouce_w` flag: p_k × (tier + 1)
             for contribution, (task, _) in zip(out, accepted):
                 contribution.weight *= int(task.hparams.get("tier", 0)) + 1
         return out
@@ -284,15 +317,11 @@ class MFeDepth(FeDepth):
     """m-FeDepth: clients with room for M > 1 full models train M by mutual distillation, upload model 1."""
 
     name = "m-fedepth"
-    option_defaults: ClassVar[dict[str, Any]] = {
-        **FeDepth.option_defaults,
-        "budgets": "surplus",
-        "max_models": 2,
-    }
+    options_type: ClassVar[type[MethodOptions]] = MFeDepthOptions
 
     def setup(self) -> None:
         super().setup()
-        paper = self.options["plan"] == "paper"
+        paper = self.options.plan == "paper"
         tiers = [
             self.paper_plan_for(r) if paper else self.plan_for_budget(self.ratio_bytes[r])
             for r in self.ratios

@@ -44,7 +44,7 @@ from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
 from nestling.profiler.estimator import training_memory
 from nestling.profiler.speed import TRAIN_OVER_FORWARD, samples_trained
-from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.base import DeviceInfo, EvalTarget
 from nestling.server.strategies.fedtrans_capacity import (
     Capacity,
     capacity_of,
@@ -52,7 +52,9 @@ from nestling.server.strategies.fedtrans_capacity import (
     validated_tiers,
 )
 from nestling.server.strategies.fedtrans_report import plot_growth
+from nestling.server.strategies.options import MethodOptions
 from nestling.server.strategies.registry import register_strategy
+from nestling.server.strategies.submodel import SubmodelStrategy
 from nestling.slicing import check_result_tensors, extract, slices_for
 from nestling.spec import SubmodelSpec
 
@@ -99,32 +101,44 @@ def model_name(index: int) -> str:
     return f"m{index}"
 
 
+@dataclass(frozen=True)
+class FedTransOptions(MethodOptions):
+    # METHODS §4.a.1 (paper defaults; δ = 20 is CIFAR-10's: 30 FEMNIST, 100 Speech, 50 OpenImage)
+    alpha: float = 0.9  # cell selection: act_l >= alpha * max act
+    beta: float = 0.003  # transform when DoC <= beta
+    # DoC's slopes and slope width (rounds); "auto": the paper's 10/20 in runs of >= 300 rounds, shorter
+    # runs keep the 1:2 ratio within a tenth of the run (`growth_window`), printed at start
+    gamma: int | str = "auto"
+    delta: int | str = "auto"
+    t_act: int = 5  # rounds of aggregated updates behind cell activeness
+    eta: float = 0.98  # soft-aggregation decay eta^t (t = global round, AMBIG-12)
+    widen_factor: float = 2.0
+    deepen_count: int = 1
+    first_operation: str = "widen"  # AMBIG-13 DECISION: widen first, then alternate per cell
+    noise: float = 0.0  # symmetry-breaking noise on widened units (off: exact preservation)
+    l2s: bool = (
+        False  # larger models also feed smaller ones in soft aggregation (off: Table 1, METHODS §4.a.2)
+    )
+    # T_c (server/strategies/fedtrans_capacity.py)
+    capacities: tuple[float, ...] = (
+        1.0,
+        2.0,
+        4.0,
+        8.0,
+        16.0,
+        32.0,
+    )  # tiers by client index, × the seed's MACs
+    capacity_reference: str = "rpi4"  # board class the seed model is sized for (capacity by speed)
+
+
 @register_strategy
-class FedTrans(Strategy):
+class FedTrans(SubmodelStrategy):
     """Several models with lineage; each task names its model (Task.model_id) and carries its ModelConfig."""
 
     name = "fedtrans"
     global_state: State  # always the seed model's weights (members[0].state): base model of the deployables
-    option_types: ClassVar[dict[str, tuple[type, ...] | None]] = {"gamma": (int, str), "delta": (int, str)}
-    option_defaults: ClassVar[dict[str, Any]] = {
-        # METHODS §4.a.1 (paper defaults; δ = 20 is CIFAR-10's: 30 FEMNIST, 100 Speech, 50 OpenImage)
-        "alpha": 0.9,  # cell selection: act_l >= alpha * max act
-        "beta": 0.003,  # transform when DoC <= beta
-        # DoC's slopes and slope width (rounds); "auto": the paper's 10/20 in runs of >= 300 rounds, shorter
-        # runs keep the 1:2 ratio within a tenth of the run (`growth_window`), printed at start
-        "gamma": "auto",
-        "delta": "auto",
-        "t_act": 5,  # rounds of aggregated updates behind cell activeness
-        "eta": 0.98,  # soft-aggregation decay eta^t (t = global round, AMBIG-12)
-        "widen_factor": 2.0,
-        "deepen_count": 1,
-        "first_operation": "widen",  # AMBIG-13 DECISION: widen first, then alternate per cell
-        "noise": 0.0,  # symmetry-breaking noise on widened units (off: exact preservation)
-        "l2s": False,  # larger models also feed smaller ones in soft aggregation (off: Table 1, METHODS §4.a.2)
-        # T_c (server/strategies/fedtrans_capacity.py)
-        "capacities": [1, 2, 4, 8, 16, 32],  # tiers by client index, multiples of the seed model's MACs
-        "capacity_reference": "rpi4",  # board class the seed model is sized for (capacity by speed)
-    }
+    options_type: ClassVar[type[MethodOptions]] = FedTransOptions
+    options: FedTransOptions
 
     # -- construction ---------------------------------------------------------------------------
     def make_model_config(self) -> ModelConfig:
@@ -135,26 +149,25 @@ class FedTrans(Strategy):
 
     def setup(self) -> None:
         o = self.options
-        self.alpha = _number(o, "alpha", 0.0, 1.0)
-        self.beta = _number(o, "beta", -math.inf, math.inf)
-        self.eta = _number(o, "eta", 0.0, 1.0)
-        self.noise = _number(o, "noise", 0.0, math.inf)
-        self.widen_factor = _number(o, "widen_factor", 1.0, math.inf)
+        self.alpha = _within("alpha", o.alpha, 0.0, 1.0)
+        self.beta = o.beta
+        self.eta = _within("eta", o.eta, 0.0, 1.0)
+        self.noise = _within("noise", o.noise, 0.0, math.inf)
+        self.widen_factor = o.widen_factor
         if self.widen_factor <= 1.0:
             raise ConfigError(f"[method] fedtrans widen_factor must be > 1, got {self.widen_factor}")
-        self.gamma, self.delta, self.window_source = growth_window(
-            o["gamma"], o["delta"], self.ctx.total_rounds
-        )
+        self.gamma, self.delta, self.window_source = growth_window(o.gamma, o.delta, self.ctx.total_rounds)
         _announce_window(self.gamma, self.delta, self.window_source, self.ctx.total_rounds)
-        self.t_act, self.deepen_count = _count(o, "t_act"), _count(o, "deepen_count")
-        self.l2s = bool(o["l2s"])  # typed bool by its default (Strategy.check_option)
-        self.first = str(o["first_operation"])
+        self.t_act = _at_least_one("t_act", o.t_act)
+        self.deepen_count = _at_least_one("deepen_count", o.deepen_count)
+        self.l2s = o.l2s
+        self.first = o.first_operation
         if self.first not in OPERATIONS:
             raise ConfigError(
                 f"[method] fedtrans first_operation must be one of {OPERATIONS}, got {self.first!r}"
             )
-        self.tiers = validated_tiers(o["capacities"])
-        self.reference = reference_gflops(str(o["capacity_reference"]))
+        self.tiers = validated_tiers(o.capacities)
+        self.reference = reference_gflops(o.capacity_reference)
         cells = len(layout_of(self.model).block_hidden)
         self.members = [FamilyMember(self.model, self.global_state, model_macs(self.model), (0,) * cells)]
         self.lineage = Lineage.seeded(cells)
@@ -176,9 +189,7 @@ class FedTrans(Strategy):
     def _training_bytes(self, member: FamilyMember) -> int:
         spec = member.spec
         if spec.id not in self._memory:
-            batch = int(self.ctx.local.get("batch_size", 32))
-            momentum = float(self.ctx.local.get("momentum", 0.0)) > 0
-            self._memory[spec.id] = training_memory(spec, batch, momentum=momentum)
+            self._memory[spec.id] = training_memory(spec, self.ctx.batch_size, momentum=self.ctx.momentum)
         return self._memory[spec.id]
 
     def compatible(self, capacity: Capacity) -> list[int]:
@@ -511,11 +522,10 @@ def _stored_state(tensors: dict[str, torch.Tensor], prefix: str, config: ModelCo
     return state
 
 
-def _number(options: dict[str, Any], key: str, low: float, high: float) -> float:
-    value = options[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= float(value) <= high:
+def _within(key: str, value: float, low: float, high: float) -> float:
+    if not low <= value <= high:
         raise ConfigError(f"[method] fedtrans {key} must be a number in [{low}, {high}], got {value!r}")
-    return float(value)
+    return value
 
 
 def growth_window(gamma: Any, delta: Any, total_rounds: int) -> tuple[int, int, str]:
@@ -563,8 +573,7 @@ def _announce_window(gamma: int, delta: int, source: str, total_rounds: int) -> 
         )
 
 
-def _count(options: dict[str, Any], key: str) -> int:
-    value = options[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def _at_least_one(key: str, value: int) -> int:
+    if value < 1:
         raise ConfigError(f"[method] fedtrans {key} must be an integer >= 1, got {value!r}")
     return value

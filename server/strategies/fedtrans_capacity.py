@@ -46,14 +46,14 @@ class Capacity:
         return cls(float(macs), None if memory is None else int(memory), str(source))
 
 
-def validated_tiers(raw: Any) -> list[float]:
+def validated_tiers(tiers: tuple[float, ...]) -> list[float]:
     """The `capacities` option: a non-empty list of positive multiples of the seed model's MACs."""
-    if not isinstance(raw, list) or not raw or any(not isinstance(c, (int, float)) or c <= 0 for c in raw):
+    if not tiers or any(c <= 0 for c in tiers):
         raise ConfigError(
             f"[method] fedtrans capacities must be a non-empty list of numbers > 0 (multiples of the seed "
-            f"model's MACs), got {raw!r}"
+            f"model's MACs), got {list(tiers)!r}"
         )
-    return [float(c) for c in raw]
+    return [float(c) for c in tiers]
 
 
 def reference_gflops(name: str) -> float:

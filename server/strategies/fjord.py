@@ -2,34 +2,41 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
-from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.base import DeviceInfo, EvalTarget
+from nestling.server.strategies.options import MethodOptions
+from nestling.server.strategies.planning import FamilyPlanning
 from nestling.server.strategies.registry import register_strategy
+from nestling.server.strategies.submodel import SubmodelStrategy
 from nestling.spec import SubmodelSpec
 
 
+@dataclass(frozen=True)
+class FjORDOptions(MethodOptions):
+    # Default widths: FjORD's own P = (0.2, 0.4, 0.6, 0.8, 1.0) channel ratios (METHODS §7.2). Comparisons at
+    # other sizes pass theirs (examples/reproduce/nefl.toml: NeFL's √γ).
+    widths: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 1.0)
+    kd: bool = False
+
+
 @register_strategy
-class FjORD(Strategy):
+class FjORD(FamilyPlanning, SubmodelStrategy):
     """Each client has a tier p_max; it trains the p_max-wide slice, sampling p ≤ p_max per batch.
 
     Per-width running statistics are separate buffers (`running_mean_w{j}`), so the masked mean with
     a_k = n_k averages statistics of width p over exactly the clients with p_max ≥ p."""
 
     name = "fjord"
-    planning = "family"
     procedure = "fjord"
-    # Default widths: FjORD's own P = (0.2, 0.4, 0.6, 0.8, 1.0) channel ratios (METHODS §7.2). Comparisons at
-    # other sizes pass theirs (examples/reproduce/nefl.toml: NeFL's √γ).
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "widths": (0.2, 0.4, 0.6, 0.8, 1.0),
-        "kd": False,
-    }
+    options_type: ClassVar[type[MethodOptions]] = FjORDOptions
+    options: FjORDOptions
 
     def make_model_config(self) -> ModelConfig:
-        widths = tuple(sorted(float(w) for w in self.options["widths"]))
+        widths = tuple(sorted(self.options.widths))
         return self.ctx.model_config(norm_stats="per_width", width_levels=widths)
 
     def setup(self) -> None:
@@ -48,11 +55,16 @@ class FjORD(Strategy):
 
     def local_hparams(self, round_index: int, device: DeviceInfo, spec: SubmodelSpec) -> dict[str, Any]:
         hp = super().local_hparams(round_index, device, spec)
-        hp.update(p_max=spec.width, widths=self.widths, fjord_kd=bool(self.options["kd"]))
+        hp.update(p_max=spec.width, widths=self.widths, fjord_kd=self.options.kd)
         return hp
 
     def aggregation_weight(self, result: Result) -> float:
         return float(result.num_samples)
+
+    def family(self) -> tuple[list[str], list[SubmodelSpec]]:
+        """The widths p, narrowest first (`nestling plan`)."""
+        widths = sorted(self.specs)
+        return [f"w{p:.3g}" for p in widths], [self.specs[p] for p in widths]
 
     def eval_targets(self) -> list[EvalTarget]:
         return [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -9,8 +10,11 @@ import torch
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
-from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.base import DeviceInfo, EvalTarget
+from nestling.server.strategies.options import MethodOptions
+from nestling.server.strategies.planning import FamilyPlanning
 from nestling.server.strategies.registry import register_strategy
+from nestling.server.strategies.submodel import SubmodelStrategy
 from nestling.spec import SubmodelSpec
 
 RATE_LETTERS = {"a": 1.0, "b": 0.5, "c": 0.25, "d": 0.125, "e": 0.0625}
@@ -30,37 +34,38 @@ def parse_rate_mix(mix: str) -> list[tuple[float, float]]:
     return [(rate, share / total) for rate, share in pairs]
 
 
+@dataclass(frozen=True)
+class HeteroFLOptions(MethodOptions):
+    # Default rates: HeteroFL's own 1, 1/2, 1/4, 1/8, 1/16 (METHODS §7.1), one fifth of the clients each.
+    # Comparisons at other sizes pass theirs (examples/reproduce/nefl.toml: NeFL's channel ratios √γ).
+    rates: tuple[float, ...] = tuple(RATE_LETTERS.values())
+    mix: str | None = None  # rates with client shares, e.g. "a1-b1-c1-d1-e1" (overrides `rates`)
+    mode: str = "fix"
+    masked_ce: bool = False
+    static_bn: bool = True
+
+
 @register_strategy
-class HeteroFL(Strategy):
+class HeteroFL(FamilyPlanning, SubmodelStrategy):
     """`fix` mode: contiguous client blocks keep their rate; `dynamic`: rates re-drawn every round."""
 
     name = "heterofl"
-    planning = "family"
-    # Default rates: HeteroFL's own 1, 1/2, 1/4, 1/8, 1/16 (METHODS §7.1), one fifth of the clients each.
-    # Comparisons at other sizes pass theirs (examples/reproduce/nefl.toml: NeFL's channel ratios √γ).
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "rates": tuple(RATE_LETTERS.values()),
-        "mix": None,
-        "mode": "fix",
-        "masked_ce": False,
-        "static_bn": True,
-    }
+    options_type: ClassVar[type[MethodOptions]] = HeteroFLOptions
+    options: HeteroFLOptions
 
     def make_model_config(self) -> ModelConfig:
         return self.ctx.model_config(norm_stats="batch", scaler="train")
 
     def setup(self) -> None:
-        if self.options["mix"] is not None:
-            self.mix = parse_rate_mix(str(self.options["mix"]))
+        if self.options.mix is not None:
+            self.mix = parse_rate_mix(self.options.mix)
         else:
-            rates = [float(r) for r in self.options["rates"]]
+            rates = list(self.options.rates)
             if not rates or any(not 0 < r <= 1 for r in rates):
                 raise ConfigError(f"[method] HeteroFL rates must lie in (0, 1], got {rates}")
             self.mix = [(r, 1 / len(rates)) for r in sorted(rates, reverse=True)]
-        if self.options["mode"] not in ("fix", "dynamic"):
-            raise ConfigError(
-                f"[method] HeteroFL mode must be 'fix' or 'dynamic', got '{self.options['mode']}'"
-            )
+        if self.options.mode not in ("fix", "dynamic"):
+            raise ConfigError(f"[method] HeteroFL mode must be 'fix' or 'dynamic', got '{self.options.mode}'")
         rates = sorted({rate for rate, _ in self.mix})
         self.specs = {rate: SubmodelSpec(self.model, width=rate) for rate in rates}
 
@@ -69,7 +74,7 @@ class HeteroFL(Strategy):
         fitted = self.fit_by_budget(device, [self.specs[r] for r in rates])
         if fitted is not None:  # a registered budget: the widest rate that fits it
             return rates[fitted]
-        if self.options["mode"] == "dynamic":
+        if self.options.mode == "dynamic":
             rng = self.round_rng(round_index, salt=device.index + 1)
             return self.mix[int(rng.choice(len(self.mix), p=[s for _, s in self.mix]))][0]
         position = device.index / max(1, self.ctx.num_clients)
@@ -85,14 +90,14 @@ class HeteroFL(Strategy):
 
     def local_hparams(self, round_index: int, device: DeviceInfo, spec: SubmodelSpec) -> dict[str, Any]:
         hp = super().local_hparams(round_index, device, spec)
-        if self.options["masked_ce"] and device.labels is not None:
+        if self.options.masked_ce and device.labels is not None:
             hp["masked_ce"] = True
             hp["label_set"] = list(device.labels)
         return hp
 
     def contributions(self, accepted: list[tuple[Task, Result]], keys: set[str] | None = None):
         out = super().contributions(accepted, keys)
-        if not self.options["masked_ce"]:
+        if not self.options.masked_ce:
             return out
         # Classifier rows of class c are averaged only over clients holding c (METHODS §7.1).
         for contribution, (task, _) in zip(out, accepted):
@@ -106,8 +111,13 @@ class HeteroFL(Strategy):
                     contribution.row_masks[key] = rows
         return out
 
+    def family(self) -> tuple[list[str], list[SubmodelSpec]]:
+        """The widths, narrowest first (`nestling plan`)."""
+        rates = sorted(self.specs)
+        return [f"w{rate:.3g}" for rate in rates], [self.specs[rate] for rate in rates]
+
     def eval_targets(self) -> list[EvalTarget]:
         return [
-            EvalTarget(f"r{rate:g}", spec, self.task_weights(spec), static_bn=bool(self.options["static_bn"]))
+            EvalTarget(f"r{rate:g}", spec, self.task_weights(spec), static_bn=self.options.static_bn)
             for rate, spec in sorted(self.specs.items())
         ]

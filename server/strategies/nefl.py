@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -11,37 +12,43 @@ from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
-from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.base import DeviceInfo, EvalTarget
 from nestling.server.strategies.nefl_presets import nefl_family
+from nestling.server.strategies.options import MethodOptions
+from nestling.server.strategies.planning import FamilyPlanning
 from nestling.server.strategies.registry import register_strategy
+from nestling.server.strategies.submodel import SubmodelStrategy
 from nestling.slicing import extract, roles_for, slices_for
 from nestling.spec import SubmodelSpec
 
 
-class NeFL(Strategy):
+@dataclass(frozen=True)
+class NeFLOptions(MethodOptions):
+    flex: int = 2  # a client of tier t trains a submodel drawn from t - flex .. t + flex (METHODS §2.a.5)
+    learnable_step: bool = True
+    # AMBIG-2: also aggregate a skipped stage-entry block's projection from the clients that skip the block
+    # (they do use it); off by default, as in the reference.
+    shortcut_from_skipping: bool = False
+    # "one": every kept block starts at s = 1; "do" (NeFL-DO): a kept block followed by m skipped blocks of its
+    # stage starts at 1 + m (§2.a.1).
+    step_init: str = "one"
+
+
+class NeFL(FamilyPlanning, SubmodelStrategy):
     """Consistent tensors (convs, classifier weight and bias) live once, nested; every submodel k owns a
     full copy of its BN tensors and step sizes, averaged only among the clients that trained k."""
 
     name = "nefl-wd"
-    planning = "family"
     mode: ClassVar[str] = "wd"
-    # shortcut_from_skipping (AMBIG-2): also aggregate a skipped stage-entry block's projection from the
-    # clients that skip the block (they do use it); off by default, as in the reference.
-    # step_init "one": every kept block starts at s = 1; "do" (NeFL-DO): a kept block followed by m skipped
-    # blocks of its stage starts at 1 + m (§2.a.1).
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "flex": 2,
-        "learnable_step": True,
-        "shortcut_from_skipping": False,
-        "step_init": "one",
-    }
+    options_type: ClassVar[type[MethodOptions]] = NeFLOptions
+    options: NeFLOptions
 
     def make_model_config(self) -> ModelConfig:
-        return self.ctx.model_config(learnable_step=bool(self.options["learnable_step"]))
+        return self.ctx.model_config(learnable_step=self.options.learnable_step)
 
     def setup(self) -> None:
-        if self.options["step_init"] not in ("one", "do"):
-            raise ConfigError(f"[method] step_init must be 'one' or 'do', got '{self.options['step_init']}'")
+        if self.options.step_init not in ("one", "do"):
+            raise ConfigError(f"[method] step_init must be 'one' or 'do', got '{self.options.step_init}'")
         family = nefl_family(self.model.arch, self.mode, self.model.extra)
         self.specs = [SubmodelSpec(self.model, width=rho, blocks=kept) for rho, kept in family]
         self.index_of = {s.id: k for k, s in enumerate(self.specs)}
@@ -50,7 +57,7 @@ class NeFL(Strategy):
             roles = roles_for(spec)
             own = {k for k, r in roles.items() if r in ("norm", "step")}
             self.stores.append(extract(self.global_state, spec, keys=own))
-            if self.options["step_init"] == "do":
+            if self.options.step_init == "do":
                 for block, value in do_initial_steps(spec).items():
                     self.stores[-1][f"blocks.{block}.step"].fill_(value)
         # LayerNorms are consistent: the paper found that better than the code's per-submodel LN (AMBIG-3).
@@ -72,7 +79,7 @@ class NeFL(Strategy):
         return min(int(device.index // per_tier), self.num_submodels - 1)
 
     def spec_for(self, round_index: int, device: DeviceInfo) -> SubmodelSpec:
-        tier, flex = self.tier_of(device), int(self.options["flex"])
+        tier, flex = self.tier_of(device), self.options.flex
         capped = self.sized_by_fit(device)  # never above the fit
         low, high = max(0, tier - flex), tier if capped else min(self.num_submodels - 1, tier + flex)
         rng = self.round_rng(round_index, salt=device.index + 1)
@@ -90,7 +97,7 @@ class NeFL(Strategy):
 
     def counted_keys(self, spec: SubmodelSpec) -> set[str]:
         """Consistent tensors a client of `spec` counts for: none in blocks it skips (§2.a.6, AMBIG-2)."""
-        if spec.blocks is None or self.options["shortcut_from_skipping"]:
+        if spec.blocks is None or self.options.shortcut_from_skipping:
             return self.consistent
         skipped = tuple(f"blocks.{b}." for b in range(len(block_infos(spec))) if b not in spec.blocks)
         return {k for k in self.consistent if not k.startswith(skipped)}
@@ -119,6 +126,10 @@ class NeFL(Strategy):
                 if not value.is_floating_point():
                     added = torch.stack([r.weights[key] - value for _, r in mine]).sum(dim=0)
                     self.stores[k][key] = value + added
+
+    def family(self) -> tuple[list[str], list[SubmodelSpec]]:
+        """The submodels k1..k5, smallest first (`nestling plan`)."""
+        return [f"k{k + 1}" for k in range(len(self.specs))], list(self.specs)
 
     def eval_targets(self) -> list[EvalTarget]:
         return [EvalTarget(f"k{k + 1}", spec, self.task_weights(spec)) for k, spec in enumerate(self.specs)]

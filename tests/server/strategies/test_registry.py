@@ -9,8 +9,9 @@ import pytest
 
 from nestling.cli import simulate_parser
 from nestling.edge.procedures import known_procedures
-from nestling.server.plan_methods import PLANNING_KINDS, plannable_methods
+from nestling.server.plan_methods import plannable_methods
 from nestling.server.strategies import STRATEGIES
+from nestling.server.strategies.planning import Plannable
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 
@@ -27,11 +28,16 @@ def _readme_rows() -> dict[str, tuple[str, str]]:
     return rows
 
 
+def _plan_word(cls: type) -> str:
+    """How a method plans as the README says it: its `planning` word when it is Plannable, else a dash."""
+    return cls.planning if issubclass(cls, Plannable) else "—"
+
+
 def test_every_registered_method_declares_a_known_procedure_and_plan_kind() -> None:
     for name, cls in STRATEGIES.items():
         assert cls.name == name
         assert cls.procedure in known_procedures(), name
-        assert cls.planning is None or cls.planning in PLANNING_KINDS, name
+        assert _plan_word(cls) in ("family", "levels", "depthwise", "—"), name
 
 
 def test_the_readme_table_is_the_registry() -> None:
@@ -39,11 +45,11 @@ def test_the_readme_table_is_the_registry() -> None:
     assert set(rows) == set(STRATEGIES)
     for name, (procedure, plan) in rows.items():
         assert procedure == STRATEGIES[name].procedure, name
-        assert plan == (STRATEGIES[name].planning or "—"), name
+        assert plan == _plan_word(STRATEGIES[name]), name
 
 
 def test_plan_and_the_cli_list_what_the_classes_declare() -> None:
-    assert plannable_methods() == {n: c.planning for n, c in STRATEGIES.items() if c.planning}
+    assert plannable_methods() == {n: c.planning for n, c in STRATEGIES.items() if issubclass(c, Plannable)}
     help_text = simulate_parser().format_help()
     assert all(name in help_text for name in STRATEGIES)
 
@@ -92,17 +98,19 @@ def test_every_methods_tasks_fit_its_procedures_typed_record(method: str) -> Non
 
 
 @pytest.mark.parametrize("method", sorted(STRATEGIES))
-def test_every_option_is_typed_by_its_declaration(method: str) -> None:
-    """A value of the wrong kind is refused naming the option; every default passes its own check."""
+def test_every_option_is_typed_by_its_record(method: str) -> None:
+    """Every default passes its own record's check; a value of the wrong kind is refused naming the option."""
     from nestling.errors import ConfigError
-    from nestling.server.strategies.base import check_option, option_kind
 
     cls = STRATEGIES[method]
-    for key, default in cls.option_defaults.items():
-        kinds = cls.option_types.get(key, option_kind(default))
-        check_option(method, key, list(default) if isinstance(default, tuple) else default, kinds)
-        if kinds is None:
-            continue
-        wrong = {"text"} if str not in kinds else 3.5j  # a set / a complex number is no option's kind
-        with pytest.raises(ConfigError, match=f"option {key} must be"):
-            check_option(method, key, wrong, kinds)
+    record = cls.options_type
+    assert cls.option_defaults == record.defaults()
+    built = record.from_table(
+        method, {k: list(v) if isinstance(v, tuple) else v for k, v in cls.option_defaults.items()}
+    )
+    assert built == record()
+    for key in cls.option_defaults:
+        with pytest.raises(ConfigError, match=f"{method} option {key} must be"):
+            record.from_table(method, {key: 3.5j})  # a complex number is no option's kind
+        with pytest.raises(ConfigError, match=f"{method} option {key} must be"):
+            record.from_table(method, {key: {"text"}})

@@ -106,7 +106,7 @@ def test_levels_are_nested_in_depth_and_carry_the_earlier_exits(scalefl: ScaleFL
 # -- §6.b.6 ------------------------------------------------------------------------------------------
 def test_each_level_reaches_its_cost_target_within_tolerance(scalefl: ScaleFL) -> None:
     """Cost = parameters of the level's model (with its exits) over the full model with those exits."""
-    fractions = scalefl.options["levels"]
+    fractions = scalefl.options.levels
     for l, (level, spec) in enumerate(zip(scalefl.levels[:-1], scalefl.specs)):
         full = SubmodelSpec(scalefl.model, exits=spec.exits)
         ratio = params(spec) / params(full)
