@@ -20,7 +20,7 @@ from nestling.edge.procedures.common import batches, cross_entropy, make_optimiz
 from nestling.edge.procedures.plain import train_sgd
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.net import ScalableNet
-from nestling.reparam import CutRule, DynamicState, ModulationPlan, find_sites, paper_round, released_round
+from nestling.methods.dynamicfl import CutRule, DynamicState, ModulationPlan, find_sites, paper_round, released_round
 from nestling.task_params import DynamicflParams
 
 STORE_KEY = "dynamicfl"

@@ -17,7 +17,7 @@ from nestling.errors import ConfigError, SpecError
 from nestling.models.blocks import BasicBlock, PreActBlock
 from nestling.models.context import BuildContext
 from nestling.models.family import ExportKit, GrowthCells, ModelFamily, NeflPreset, Walker
-from nestling.models.heads import DepthFLExit, PoolClassifier, ScaleFLExit, make_exit
+from nestling.models.heads import PoolClassifier, make_exit, standalone_exit
 from nestling.models.net import BlockInfo
 
 if TYPE_CHECKING:
@@ -176,14 +176,9 @@ class ResNetFamily(ModelFamily):
                 else nn.Identity()
             )
             return kit.PoolLinear(pre, kit.plain_linear(part.fc))
-        if isinstance(part, ScaleFLExit):
-            return kit.PoolLinear(nn.Sequential(*kit.fold_chain(list(part.body))), kit.plain_linear(part.fc))
-        if isinstance(part, DepthFLExit):
-            return kit.GatedPoolLinear(
-                nn.Sequential(*kit.fold_chain(list(part.attention))),
-                nn.Sequential(*kit.fold_chain(list(part.stack))),
-                kit.plain_linear(part.fc),
-            )
+        converted = standalone_exit(part, kit)  # a method's exit head (ScaleFL's, DepthFL's) folds itself
+        if converted is not None:
+            return converted
         raise SpecError(f"export does not know the {type(part).__name__} of model family '{self.name}'")
 
     # -- method questions ----------------------------------------------------------------------

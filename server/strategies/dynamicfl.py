@@ -19,7 +19,7 @@ from nestling.messages import Result, Task
 from nestling.models.zoo import build
 from nestling.profiler.estimator import training_memory
 from nestling.profiler.planner import device_memory_budget
-from nestling.reparam import BRANCHES, ConvSite, affordable_capacity, find_sites
+from nestling.methods.dynamicfl import BRANCHES, ConvSite, affordable_capacity, find_sites
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.spec import SubmodelSpec
 
