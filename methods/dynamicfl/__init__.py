@@ -1,7 +1,7 @@
 """Structural re-parameterisation for DynamicFL (METHODS §5): Diverse Branch Blocks, exact fusion, salience, DYMM.
 
-Kernel code: the edge procedures (training the expanded model) and the profiler (pricing a capacity)
-both use it. The model leaves every public entry point as the plain architecture it came in as.
+DynamicFL's own knowledge, shared by the server strategy (pricing a capacity) and the edge procedure (training
+the expanded model). The model leaves every public entry point as the plain architecture it came in as.
 """
 
 from nestling.methods.dynamicfl.cost import (

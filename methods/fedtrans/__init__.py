@@ -1,4 +1,4 @@
-"""FedTrans's numerical kernel (METHODS §4): growable cells, function-preserving widen/deepen, lineage and
+"""FedTrans's numerical core (METHODS §4): growable cells, function-preserving widen/deepen, lineage and
 similarity, degree of convergence, cell activeness, utility-based assignment and soft aggregation.
 
 The strategy that runs these over rounds (model list, checkpoints, task wiring) builds on this package.

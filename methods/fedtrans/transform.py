@@ -29,6 +29,7 @@ from nestling.methods.fedtrans.cells import (
     with_layout,
 )
 from nestling.models.config import ModelConfig
+from nestling.models.roles import STEP, roles_of
 
 OPERATIONS = ("widen", "deepen")
 
@@ -176,10 +177,9 @@ def _fresh_block(
     for name in zeroed:
         if name in fresh:
             fresh[name].zero_()
+    roles = roles_of(block)
     for name, tensor in fresh.items():
-        if name.split(".")[-1].startswith(
-            "step"
-        ):  # step sizes (step; step_sa, step_ffn) at their start value
+        if roles[name] == STEP:  # step sizes at their start value, whatever the block calls them
             tensor.fill_(1.0)
     return fresh
 
