@@ -170,11 +170,11 @@ class ResNetFamily(ModelFamily):
         if isinstance(part, PreActBlock):
             return _standalone_preact(part, kit)
         if isinstance(part, PoolClassifier):
-            pre = (
-                kit.pre_activation(part.norm, kit.scaler_factor(part.scale))
-                if part.norm is not None and part.scale is not None
-                else nn.Identity()
-            )
+            pre: nn.Module = nn.Identity()
+            if part.norm is not None and part.scale is not None:
+                pre = kit.pre_activation(part.norm, kit.scaler_factor(part.scale))
+                if not part.relu:  # FeDepth's exits: BN → pool, no ReLU between (METHODS §3.a.8)
+                    pre = pre[0]
             return kit.PoolLinear(pre, kit.plain_linear(part.fc))
         converted = standalone_exit(part, kit)  # a method's exit head (ScaleFL's, DepthFL's) folds itself
         if converted is not None:
