@@ -142,10 +142,10 @@ def step_costs(
     model_name: str, dataset_shape: tuple[int, int, int], classes: int, batch: int, repeats: int
 ) -> list[dict]:
     """Measured time ratio and saved bytes of a training step with c convs expanded, per capacity."""
+    from nestling.methods.dynamicfl import bottom_up, capacity_cost, expand_model, find_sites
     from nestling.models.config import ModelConfig
     from nestling.models.zoo import build
     from nestling.profiler.memory import SavedTensorMeter, model_tensors
-    from nestling.methods.dynamicfl import bottom_up, capacity_cost, expand_model, find_sites
     from nestling.spec import SubmodelSpec
 
     channels, size, _ = dataset_shape

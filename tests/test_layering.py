@@ -212,6 +212,9 @@ def test_the_checker_sees_function_level_string_and_bare_imports(tmp_path: Path)
     assert "simulator/run.py:1 imports the bare old name 'server'" in problems
     assert "profiler/walk.py:1: profiler -> server" in problems
     assert "methods/growth.py:1: methods -> profiler: imports nestling.profiler.walk" in problems
-    assert "nestling/heads.py:2: kernel -> methods: imports nestling.methods.growth (inside a function" in problems
+    assert (
+        "nestling/heads.py:2: kernel -> methods: imports nestling.methods.growth (inside a function"
+        in problems
+    )
     assert "server/plan.py" not in problems  # a layer above the methods may use them
     assert module_cycles(tmp_path) == [["nestling.slicing", "nestling.spec"]]

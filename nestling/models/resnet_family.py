@@ -171,10 +171,10 @@ class ResNetFamily(ModelFamily):
             return _standalone_preact(part, kit)
         if isinstance(part, PoolClassifier):
             pre: nn.Module = nn.Identity()
-            if part.norm is not None and part.scale is not None:
+            if part.norm is not None and part.scale is not None and part.relu:
                 pre = kit.pre_activation(part.norm, kit.scaler_factor(part.scale))
-                if not part.relu:  # FeDepth's exits: BN → pool, no ReLU between (METHODS §3.a.8)
-                    pre = pre[0]
+            elif part.norm is not None and part.scale is not None:  # FeDepth's exits: no ReLU (§3.a.8)
+                pre = kit.ChannelAffine(kit.bn_affine(part.norm, kit.scaler_factor(part.scale)))
             return kit.PoolLinear(pre, kit.plain_linear(part.fc))
         converted = standalone_exit(part, kit)  # a method's exit head (ScaleFL's, DepthFL's) folds itself
         if converted is not None:

@@ -16,10 +16,10 @@ from typing import Any, ClassVar
 
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
+from nestling.methods.dynamicfl import BRANCHES, ConvSite, affordable_capacity, find_sites
 from nestling.models.zoo import build
 from nestling.profiler.estimator import training_memory
 from nestling.profiler.planner import device_memory_budget
-from nestling.methods.dynamicfl import BRANCHES, ConvSite, affordable_capacity, find_sites
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.spec import SubmodelSpec
 

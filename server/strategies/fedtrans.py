@@ -22,6 +22,7 @@ import torch
 
 from nestling.aggregation import Contribution, masked_mean
 from nestling.errors import ConfigError, SpecError
+from nestling.messages import Result, Task
 from nestling.methods.fedtrans import (
     Lineage,
     TrainingReport,
@@ -39,7 +40,6 @@ from nestling.methods.fedtrans import (
 )
 from nestling.methods.fedtrans.cells import growable_family, is_statistic
 from nestling.methods.fedtrans.transform import OPERATIONS
-from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
 from nestling.profiler.estimator import training_memory

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from nestling.profiler.memory import SavedTensorMeter
 from nestling.methods.dynamicfl.cost import (
     ExpansionCost,
     affordable_capacity,
@@ -17,6 +16,7 @@ from nestling.methods.dynamicfl.cost import (
 )
 from nestling.methods.dynamicfl.dbb import ORIGINAL, ConvGeometry, DiverseBranchBlock
 from nestling.methods.dynamicfl.sites import expand_model, find_sites
+from nestling.profiler.memory import SavedTensorMeter
 from tests.methods.dynamicfl.reparam_helpers import resnet
 
 GEOMETRIES = [

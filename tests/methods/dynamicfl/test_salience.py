@@ -11,7 +11,13 @@ from torch import nn
 
 from nestling.methods.dynamicfl.dbb import ConvGeometry
 from nestling.methods.dynamicfl.expansion import expand_conv
-from nestling.methods.dynamicfl.salience import SalienceMeter, bottom_up, branch_salience, salience, top_salient
+from nestling.methods.dynamicfl.salience import (
+    SalienceMeter,
+    bottom_up,
+    branch_salience,
+    salience,
+    top_salient,
+)
 from nestling.methods.dynamicfl.sites import ConvSite, expand_model, find_sites
 from tests.methods.dynamicfl.reparam_helpers import batches, resnet
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from nestling.models.layers import SlimConv2d
 from nestling.methods.dynamicfl.dbb import ConvGeometry, DiverseBranchBlock
 from nestling.methods.dynamicfl.sites import (
     ConvSite,
@@ -19,6 +18,7 @@ from nestling.methods.dynamicfl.sites import (
     fuse_block,
     fuse_model,
 )
+from nestling.models.layers import SlimConv2d
 from tests.methods.dynamicfl.reparam_helpers import batches, randomise_norms, resnet
 
 

@@ -18,8 +18,8 @@ from nestling.edge.procedures import DeviceStore
 from nestling.edge.trainer import run_task
 from nestling.errors import ConfigError, SpecError
 from nestling.export.source import open_checkpoint, select_target
-from nestling.methods.fedtrans import fedavg, layout_of
 from nestling.messages import Task
+from nestling.methods.fedtrans import fedavg, layout_of
 from nestling.profiler.catalogue import BOARDS
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.server.strategies.fedtrans import FedTrans
