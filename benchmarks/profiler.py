@@ -23,6 +23,7 @@ from nestling.profiler.estimator import estimate
 from nestling.profiler.measure import profile_model
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.spec import SubmodelSpec
+from nestling.task_params import FedepthParams
 
 BATCH = 32
 MIB = 2**20
@@ -77,7 +78,9 @@ def fedepth_peaks(budgets: str) -> float:
     data = ClientData(
         torch.randn(128, 3, 32, 32, generator=generator), torch.randint(0, 10, (128,), generator=generator)
     )
-    peaks = measure_stage_peaks([net], plan, data, {**task.hparams, "lr": 0.01}, generator)
+    peaks = measure_stage_peaks(
+        [net], plan, data, FedepthParams.from_hparams({**task.hparams, "lr": 0.01}), generator
+    )
     print(
         f"{budgets:5s} r=1/{round(1 / ratio)}  budget {budget / MIB:6.2f} MiB (planned {strategy.ratio_bytes[ratio] / MIB:.2f})"
         f"  stages {plan.describe()}"

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
 
 from nestling.config import PRECISIONS
 from nestling.errors import ConfigError
+from nestling.task_params import TrainParams
 
 
 def check_precision(precision: str) -> str:
@@ -28,7 +28,7 @@ def check_precision(precision: str) -> str:
 
 
 @contextlib.contextmanager
-def task_precision(hp: dict[str, Any], device: torch.device | str) -> Iterator[None]:
+def task_precision(hp: TrainParams, device: torch.device | str) -> Iterator[None]:
     """Autocast for the task's precision (a no-op for fp32). It wraps a whole local procedure, so
     every forward path (features, exits, auxiliary models) is covered; backward ops then run in the
     dtype their forward used, and losses such as cross-entropy autocast to float32.
@@ -36,7 +36,7 @@ def task_precision(hp: dict[str, Any], device: torch.device | str) -> Iterator[N
     The weight-cast cache is off: autocast otherwise keeps each parameter's bf16 copy until the
     outermost autocast region exits, and this region spans every optimiser step of the procedure, so
     every forward after the first would run on the weights as they were downloaded."""
-    precision = check_precision(str(hp.get("precision", "fp32")))
+    precision = check_precision(hp.precision)
     if precision == "fp32":
         yield
         return
@@ -44,7 +44,7 @@ def task_precision(hp: dict[str, Any], device: torch.device | str) -> Iterator[N
         yield
 
 
-def apply_memory_format(model: nn.Module, hp: dict[str, Any]) -> None:
+def apply_memory_format(model: nn.Module, hp: TrainParams) -> None:
     """Store a built model's weights as NHWC when the task asks for channels-last."""
-    if hp.get("channels_last"):
+    if hp.channels_last:
         model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # missing from torch's stubs

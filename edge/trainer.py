@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -15,12 +16,19 @@ from nestling.messages import Result, Task
 from nestling.models.zoo import build
 from nestling.packed import pack
 from nestling.spec import SubmodelSpec
+from nestling.task_params import TrainParams
 
 
-def task_generator(task: Task) -> torch.Generator:
+def task_params(task: Task) -> TrainParams:
+    """The task's hyper-parameters as its procedure's typed record, at the task's round: built once, where the
+    task arrives; a key the procedure does not know or a value of the wrong type is refused by name."""
+    return dataclasses.replace(check_hparams(task.procedure, task.hparams), round=task.round)
+
+
+def task_generator(params: TrainParams) -> torch.Generator:
     """Per-task RNG seeded from the task, so any backend or resume reproduces the same training."""
     generator = torch.Generator()
-    generator.manual_seed(int(task.hparams.get("seed", 0)) & 0x7FFF_FFFF_FFFF_FFFF)
+    generator.manual_seed(params.seed & 0x7FFF_FFFF_FFFF_FFFF)
     return generator
 
 
@@ -36,9 +44,7 @@ def run_task(
     `prepare` may adapt the built model in place before training (the simulator compiles it)."""
     spec = SubmodelSpec.from_dict(task.spec)
     procedure = get_procedure(task.procedure)
-    check_hparams(
-        task.procedure, task.hparams
-    )  # a key it does not know or a value of the wrong type: refused
+    params = task_params(task)
     started = time.perf_counter()
     use_cuda = torch.device(device).type == "cuda"
     if use_cuda:
@@ -47,14 +53,13 @@ def run_task(
     model = build(spec, init=False)
     model.load_state_dict(task.weights, strict=True)
     model.to(device)
-    hp = {**task.hparams, "round": task.round}
-    apply_memory_format(model, hp)
+    apply_memory_format(model, params)
     if prepare is not None:
         prepare(model)
     local = ClientData(data.x.to(device), data.y.to(device), data.augment)
-    with task_precision(hp, device):
+    with task_precision(params, device):
         outcome = procedure(
-            model, local, hp, store if store is not None else DeviceStore(), task_generator(task)
+            model, local, params, store if store is not None else DeviceStore(), task_generator(params)
         )
     trained = {k: v.detach().to("cpu").contiguous() for k, v in outcome.model.state_dict().items()}
     for key in outcome.untouched:

@@ -126,8 +126,8 @@ def export_main(argv: list[str]) -> int:
     try:
         return _run(args)
     except NestlingError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2  # as every nestling command: 2 is a refused input, never a crash
 
 
 def _run(args: argparse.Namespace) -> int:

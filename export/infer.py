@@ -179,8 +179,8 @@ def infer_main(argv: list[str]) -> int:
         runner = BundleRunner(args.bundle, args.model, args.threads)
         predictions = predict(runner, list(args.inputs), output=args.output, top=args.top)
     except NestlingError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2  # as every nestling command: 2 is a refused input, never a crash
     if args.json:
         print(strict_dumps([asdict(p) for p in predictions], indent=1))
     else:

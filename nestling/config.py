@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from nestling.errors import ConfigError
+from nestling.task_params import TrainParams
 
 if sys.version_info >= (3, 11):
     pass
@@ -44,15 +45,16 @@ class MethodSection:
 @dataclass
 class TrainSection:
     fraction: float = 0.5
-    local_epochs: int = 5  # NeFL's recipe (E = 5, B = 32, SGD lr 0.1, METHODS §2.c)
+    local_epochs: int = 5  # NeFL's recipe (E = 5, B = 32, SGD lr 0.1, METHODS §2.c); a task's default is 1
     local_steps: int | None = None
-    batch_size: int = 32
-    lr: float = 0.1
+    # The optimiser's and batching's defaults are the task records' (nestling.task_params: one place).
+    batch_size: int = TrainParams.batch_size
+    lr: float = TrainParams.lr
     schedule: str = "step"
     gamma: float = 0.1
     milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])
-    momentum: float = 0.0
-    weight_decay: float = 0.0
+    momentum: float = TrainParams.momentum
+    weight_decay: float = TrainParams.weight_decay
     grad_clip: float | None = None
     precision: str = "fp32"  # fp32, or bf16: forward under autocast (CPUs with AMX/AVX-512 BF16, Jetson Orin)
     channels_last: bool = False  # NHWC weights and activations (oneDNN and cuDNN run convolutions faster)

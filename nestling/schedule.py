@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from nestling.errors import ConfigError
+from nestling.task_params import TrainParams
 
 SCHEDULES = ("constant", "step", "cosine", "exponential")
 
@@ -16,7 +17,7 @@ class LrSchedule:
     cosine (FeDepth); exponential (×gamma per round, DepthFL: 0.998)."""
 
     kind: str = "step"
-    lr: float = 0.1
+    lr: float = TrainParams.lr
     gamma: float = 0.1
     milestones: tuple[float, ...] = (0.5, 0.75)
     min_lr: float = 0.0

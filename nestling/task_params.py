@@ -2,8 +2,9 @@
 
 A task's `hparams` travel as JSON; each procedure declares the record it accepts (`register(..., params=…)`), so
 a board refuses a task whose hyper-parameters it does not know or whose values have the wrong type, naming the
-key, before it trains anything. The names are declared once, here, for the server that writes them and the board
-that reads them.
+key, before it trains anything. The board builds the record once, where the task arrives (edge/trainer.py), and
+hands the procedure the record itself. The names and their defaults (what a board uses when a task leaves a key
+out) are declared once, here, for the server that writes them and the board that reads them.
 """
 
 from __future__ import annotations
@@ -45,10 +46,28 @@ def _accepts(kind: Any, value: Any) -> bool:
     raise TypeError(f"unsupported hyper-parameter annotation {kind!r}")
 
 
+def _as_declared(kind: Any, value: Any) -> Any:
+    """An accepted JSON value in its declared type: a JSON integer in a float field becomes that float, so a
+    record holds what its annotation says (`float(...)` of the value, as the procedures took it before)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if kind is float:
+        return float(value) if isinstance(value, int) else value
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        arms = [arm for arm in typing.get_args(kind) if _accepts(arm, value)]
+        return _as_declared(arms[0], value) if arms else value
+    if origin is list and isinstance(value, (list, tuple)):
+        args = typing.get_args(kind)
+        return [_as_declared(args[0], v) for v in value] if args else list(value)
+    return value
+
+
 @dataclass(frozen=True)
 class TrainParams:
     """What every procedure reads: the optimiser, batching, clipping, loss masking, precision and the task's
-    place in the run. Defaults are the procedures' own when a key is absent."""
+    place in the run. A default is what a board trains with when a task leaves its key out (the one place these
+    defaults live; the run config's [train] section starts from them too)."""
 
     procedure: ClassVar[str] = "sgd"
 
@@ -67,9 +86,28 @@ class TrainParams:
     round: int = 0
     total_rounds: int = 1
 
+    # Lower bounds of numeric fields (inclusive): a value below one is refused by name, as a wrong type is.
+    minimums: ClassVar[dict[str, float]] = {
+        "lr": 0.0,
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+        "batch_size": 1,
+        "local_epochs": 0,
+        "local_steps": 0,
+        "grad_clip": 0.0,
+        "round": 0,
+        "total_rounds": 1,
+    }
+
+    def __post_init__(self) -> None:
+        for key, low in self.minimums.items():
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ConfigError(f"task hyper-parameter '{key}' must be >= {low}, got {value!r}")
+
     @classmethod
     def from_hparams(cls: type[P], hp: dict[str, Any], procedure: str | None = None) -> P:
-        """The record of `hp`; a ConfigError names an unknown key or a value of the wrong type."""
+        """The record of `hp`; a ConfigError names an unknown key, a value of the wrong type or out of range."""
         name = procedure or cls.procedure
         declared = {f.name: f for f in fields(cls)}
         unknown = sorted(set(hp) - set(declared))
@@ -84,8 +122,11 @@ class TrainParams:
                 raise ConfigError(
                     f"task hyper-parameter '{key}' for procedure '{name}' must be {hints[key]}, got {value!r}"
                 )
-            values[key] = value
-        return cls(**values)
+            values[key] = _as_declared(hints[key], value)
+        try:
+            return cls(**values)
+        except ConfigError as exc:  # a value out of range: say which procedure's task carried it
+            raise ConfigError(f"{exc} (procedure '{name}')") from None
 
     def to_hparams(self) -> dict[str, Any]:
         """The JSON form a task carries (every field, defaults included)."""

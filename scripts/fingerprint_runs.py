@@ -175,6 +175,7 @@ def fingerprint(
     python: str,
     export: bool,
     common: tuple[str, ...] = COMMON,
+    export_common: tuple[str, ...] = EXPORT_COMMON,
 ) -> dict[str, Any]:
     """Run each method through `nestling simulate` (and `nestling export`) from `tree`; hash the results."""
     from safetensors.torch import load_file
@@ -220,7 +221,7 @@ def fingerprint(
                         "--checkpoint",
                         str(run_dir / "run"),
                         *flags,
-                        *EXPORT_COMMON,
+                        *export_common,
                         "--out",
                         str(bundle),
                     ],
@@ -236,7 +237,7 @@ def fingerprint(
         "commit": tree_commit(tree),
         "rounds": rounds,
         "common": " ".join(common),
-        "export_common": " ".join(EXPORT_COMMON) if export else None,
+        "export_common": " ".join(export_common) if export else None,
         "runs": runs,
     }
 
@@ -310,13 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         swaps = {"resnet20": args.model, "digits": args.dataset}
         common = tuple(swaps.get(value, value) for value in COMMON)
-        if args.data_root is not None:
+        export_common = EXPORT_COMMON
+        if args.data_root is not None:  # export calibrates on the run's dataset too
             common += ("--data-root", str(args.data_root.resolve()))
+            export_common += ("--data-root", str(args.data_root.resolve()))
         for flag, value in (("--limit-train", args.limit_train), ("--limit-test", args.limit_test)):
             common += (flag, str(value)) if value is not None else ()
         for item in args.set:
             common += ("--set", item)
-        result = fingerprint(tree, methods, args.rounds, work, args.python, not args.no_export, common)
+        result = fingerprint(
+            tree, methods, args.rounds, work, args.python, not args.no_export, common, export_common
+        )
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

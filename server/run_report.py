@@ -52,11 +52,18 @@ def write_summary(out_dir: Path, summary: dict[str, Any]) -> Path:
     return path
 
 
+def smallest_submodel(submodels: list[dict[str, Any]]) -> dict[str, Any]:
+    """METHODS' "worst" submodel: the smallest (fewest parameters, then MACs), the one the weakest board
+    deploys; not the lowest score over submodels, which a larger submodel can hold early in training."""
+    return min(submodels, key=lambda s: (s["parameters"], s.get("macs", 0)))
+
+
 def summarise(records: list[dict[str, Any]], config: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
-    """summary.json: worst/avg accuracy of the final evaluation, timing split, and every submodel."""
+    """summary.json: worst (smallest submodel) and average accuracy of the final evaluation, timing, submodels."""
     evaluated = [r for r in records if r.get("submodels")]
     final = evaluated[-1]["submodels"] if evaluated else []
     accuracies = [s["accuracy"] for s in final]
+    smallest = smallest_submodel(final) if final else None
     # Local training = compute-seconds devices reported (summed over parallel workers); collect = wall time
     # the coordinator waited for results. Everything else in wall_seconds is coordination overhead.
     train_seconds = sum(r.get("local_train_seconds", 0.0) for r in records)
@@ -66,7 +73,7 @@ def summarise(records: list[dict[str, Any]], config: dict[str, Any], wall_second
         "model": config["model"]["arch"],
         "dataset": config["data"]["dataset"],
         "rounds": len(records),
-        "worst_accuracy": min(accuracies) if accuracies else None,
+        "worst_accuracy": smallest["accuracy"] if smallest is not None else None,
         "avg_accuracy": sum(accuracies) / len(accuracies) if accuracies else None,
         "train_seconds": train_seconds,
         "wall_seconds": wall_seconds,

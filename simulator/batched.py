@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from nestling.edge.execution import apply_memory_format, task_precision
-from nestling.edge.procedures import ClientData, DeviceStore, check_hparams, is_batchable
+from nestling.edge.procedures import ClientData, DeviceStore, is_batchable
 from nestling.edge.procedures.common import batches, make_optimizer
-from nestling.edge.trainer import run_task, task_generator
+from nestling.edge.trainer import run_task, task_generator, task_params
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.net import ScalableNet
@@ -28,6 +28,7 @@ from nestling.models.zoo import build
 from nestling.packed import pack
 from nestling.simulator.grouped import GroupedClients, groupable, per_client_clip, per_client_cross_entropy
 from nestling.spec import SubmodelSpec
+from nestling.task_params import TrainParams
 
 _HP_PER_CLIENT = ("seed", "label_set")
 
@@ -41,24 +42,21 @@ def batch_key(task: Task, num_samples: int) -> tuple[Any, ...] | None:
 
 
 def _client_batches(
-    tasks: list[Task], datas: list[ClientData]
+    params: list[TrainParams], datas: list[ClientData]
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each client's own mini-batches in lock-step, stacked on a leading client dimension."""
-    streams = [
-        batches(data, {**task.hparams, "round": task.round}, task_generator(task))
-        for task, data in zip(tasks, datas)
-    ]
+    streams = [batches(data, hp, task_generator(hp)) for hp, data in zip(params, datas)]
     for step in zip(*streams):
         yield torch.stack([x for x, _ in step]), torch.stack([y for _, y in step])
 
 
-def _class_mask(tasks: list[Task], y: torch.Tensor, num_classes: int) -> torch.Tensor | None:
+def _class_mask(params: list[TrainParams], y: torch.Tensor, num_classes: int) -> torch.Tensor | None:
     """HeteroFL/FeDepth masked CE (edge.procedures.common.cross_entropy), one mask row per client."""
-    if not tasks[0].hparams.get("masked_ce"):
+    if not params[0].masked_ce:
         return None
     rows = []
-    for k, task in enumerate(tasks):
-        label_set = task.hparams.get("label_set")
+    for k, hp in enumerate(params):
+        label_set = hp.label_set
         present = torch.zeros(num_classes, dtype=torch.bool, device=y.device)
         present[torch.as_tensor(label_set, device=y.device) if label_set is not None else y[k]] = True
         rows.append(present)
@@ -68,11 +66,11 @@ def _class_mask(tasks: list[Task], y: torch.Tensor, num_classes: int) -> torch.T
 class _SgdState:
     """torch.optim.SGD's update, applied to K clients' stacked parameters at once."""
 
-    def __init__(self, hp: dict[str, Any]) -> None:
-        self.lr = float(hp.get("lr", 0.1))
-        self.momentum = float(hp.get("momentum", 0.0))
-        self.weight_decay = float(hp.get("weight_decay", 0.0))
-        self.clip = hp.get("grad_clip")
+    def __init__(self, hp: TrainParams) -> None:
+        self.lr = hp.lr
+        self.momentum = hp.momentum
+        self.weight_decay = hp.weight_decay
+        self.clip = hp.grad_clip
         self.buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -107,18 +105,16 @@ def train_batched(
     if how not in ("auto", "grouped", "vmap"):
         raise ValueError(f"how must be auto, grouped or vmap, got {how!r}")
     started = time.perf_counter()
-    for task in tasks:
-        check_hparams(task.procedure, task.hparams)  # as run_task does
+    params = [task_params(task) for task in tasks]  # as run_task builds them
     rss_before = psutil.Process().memory_info().rss
     spec = SubmodelSpec.from_dict(tasks[0].spec)
-    hp = {**tasks[0].hparams, "round": tasks[0].round}
     template = build(spec, init=False)
     local = [ClientData(d.x.to(device), d.y.to(device), d.augment) for d in datas]
     if how == "grouped" or (how == "auto" and groupable(template)):
-        states, curves = _train_grouped(template, tasks, local, hp, device)
+        states, curves = _train_grouped(template, tasks, params, local, device)
         how = "grouped"
     else:
-        states, curves = _train_vmapped(spec, tasks, local, hp, device)
+        states, curves = _train_vmapped(spec, tasks, params, local, device)
         how = "vmap"
     seconds = (time.perf_counter() - started) / len(tasks)
     # run_task's CPU measure (RSS growth) taken over the whole group, each client charged an equal share.
@@ -155,24 +151,25 @@ def train_batched(
 def _train_grouped(
     template: torch.nn.Module,
     tasks: list[Task],
+    params_of: list[TrainParams],
     datas: list[ClientData],
-    hp: dict[str, Any],
     device: torch.device | str,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[float]]]:
     """One grouped network of all clients; torch.optim.SGD on it is each client's own SGD."""
+    hp = params_of[0]  # what batch_key made equal across the group
     group = GroupedClients(cast(ScalableNet, template), [t.weights for t in tasks])
     net = group.net.to(device)
     apply_memory_format(net, hp)
     net.train()
     params = [p for p in net.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, hp)
-    clip = hp.get("grad_clip")
+    clip = hp.grad_clip
     num_classes = SubmodelSpec.from_dict(tasks[0].spec).model.num_classes
     losses: list[torch.Tensor] = []
-    for x, y in _client_batches(tasks, datas):
-        mask = _class_mask(tasks, y, num_classes)
+    for x, y in _client_batches(params_of, datas):
+        mask = _class_mask(params_of, y, num_classes)
         grouped_x = group.inputs(x)
-        if hp.get("channels_last"):
+        if hp.channels_last:
             grouped_x = grouped_x.contiguous(memory_format=torch.channels_last)
         with task_precision(hp, device):
             out = net(grouped_x)
@@ -191,11 +188,12 @@ def _train_grouped(
 def _train_vmapped(
     spec: SubmodelSpec,
     tasks: list[Task],
+    params_of: list[TrainParams],
     datas: list[ClientData],
-    hp: dict[str, Any],
     device: torch.device | str,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[float]]]:
     """torch.func over stacked parameters: any architecture, slower than grouping on CPU."""
+    hp = params_of[0]  # what batch_key made equal across the group
     template = build(spec, device="meta")
     template.train()
     names = list(template.state_dict().keys())
@@ -219,13 +217,13 @@ def _train_vmapped(
             logits = logits.masked_fill(~mask, 0.0)
         return F.cross_entropy(logits.float(), y)
 
-    masked = bool(hp.get("masked_ce"))
+    masked = hp.masked_ce
     per_client = vmap(client_loss, in_dims=(0, 0, 0, 0, 0 if masked else None))
     sgd = _SgdState(hp)
     losses: list[torch.Tensor] = []
-    for x, y in _client_batches(tasks, datas):
+    for x, y in _client_batches(params_of, datas):
         with task_precision(hp, device):
-            loss = per_client(params, buffers, x, y, _class_mask(tasks, y, num_classes))
+            loss = per_client(params, buffers, x, y, _class_mask(params_of, y, num_classes))
         loss.sum().backward()
         sgd.step(params)
         losses.append(loss.detach())

@@ -23,6 +23,7 @@ from typing import Any
 
 from nestling.config import SimConfig, config_from_dict
 from nestling.errors import ConfigError
+from nestling.server.run_report import smallest_submodel
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -213,7 +214,7 @@ def metric_reader(metric: str) -> Callable[[list[dict[str, Any]]], float]:
     submodels), avg over submodels, full (the largest), level-K (K-th smallest by parameters, 1-based);
     clients: the mean over boards of each board's accuracy on the model it deploys (summary.json `boards`)."""
     if metric == "worst":
-        return lambda subs: float(min(subs, key=lambda s: (s["parameters"], s.get("macs", 0)))["accuracy"])
+        return lambda subs: float(smallest_submodel(subs)["accuracy"])
     if metric == "clients":
         return lambda subs: math.nan  # only at the end of a run, from summary.json (read_run)
     if metric == "avg":

@@ -1,12 +1,10 @@
-"""Named local training procedures; a Task names one and the board runs it on its own data."""
+"""Named local training procedures; a Task names one and the board runs it on its own data.
 
-from nestling.edge.procedures import depthwise as _depthwise  # noqa: F401
-from nestling.edge.procedures import distill as _distill  # noqa: F401
-from nestling.edge.procedures import dynamicfl as _dynamicfl  # noqa: F401
-from nestling.edge.procedures import fjord as _fjord  # noqa: F401
+Every module of this package is imported here and registers its procedures with `@register` (nestling.discovery):
+a new procedure is one module, and a plugin's procedure registers the same way from its own module.
+"""
 
-# Importing the modules registers their procedures.
-from nestling.edge.procedures import plain as _plain  # noqa: F401
+from nestling.discovery import import_modules
 from nestling.edge.procedures.registry import (
     ClientData,
     DeviceStore,
@@ -15,10 +13,15 @@ from nestling.edge.procedures.registry import (
     get_procedure,
     is_batchable,
     known_procedures,
+    params_for,
     register,
     register_procedure,
+    restore_procedures,
+    snapshot_procedures,
     unregister_procedure,
 )
+
+import_modules(__name__, __path__)
 
 __all__ = [
     "ClientData",
@@ -28,7 +31,10 @@ __all__ = [
     "get_procedure",
     "is_batchable",
     "known_procedures",
+    "params_for",
     "register",
     "register_procedure",
+    "restore_procedures",
+    "snapshot_procedures",
     "unregister_procedure",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,26 +10,38 @@ from torch import nn
 
 from nestling.data.augment import augment_batch
 from nestling.edge.procedures.registry import ClientData
+from nestling.task_params import TrainParams
 
 
-def make_optimizer(params: list[nn.Parameter], hp: dict[str, Any]) -> torch.optim.Optimizer:
+def make_optimizer(params: list[nn.Parameter], hp: TrainParams) -> torch.optim.Optimizer:
     """SGD with the task's lr / momentum / weight decay (every method here uses SGD)."""
     return torch.optim.SGD(
         [p for p in params if p.requires_grad],
-        lr=float(hp.get("lr", 0.1)),
-        momentum=float(hp.get("momentum", 0.0)),
-        weight_decay=float(hp.get("weight_decay", 0.0)),
+        lr=hp.lr,
+        momentum=hp.momentum,
+        weight_decay=hp.weight_decay,
     )
 
 
+def batch_size_for(data: ClientData, hp: TrainParams) -> int:
+    """The task's batch size, never more than the board's samples."""
+    return max(1, min(hp.batch_size, len(data)))
+
+
+def local_step_count(data: ClientData, hp: TrainParams) -> int:
+    """Steps of one local run: `local_steps` when given, else `local_epochs` passes over the data."""
+    if hp.local_steps is not None:
+        return hp.local_steps
+    return hp.local_epochs * max(1, -(-len(data) // batch_size_for(data, hp)))
+
+
 def batches(
-    data: ClientData, hp: dict[str, Any], generator: torch.Generator
+    data: ClientData, hp: TrainParams, generator: torch.Generator
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Shuffled mini-batches for `local_epochs` epochs, or exactly `local_steps` steps when given."""
     n = len(data)
-    batch = max(1, min(int(hp.get("batch_size", 32)), n))
-    steps = hp.get("local_steps")
-    total = int(steps) if steps is not None else int(hp.get("local_epochs", 1)) * max(1, -(-n // batch))
+    batch = batch_size_for(data, hp)
+    total = local_step_count(data, hp)
     done = 0
     while done < total:
         order = torch.randperm(n, generator=generator)
@@ -47,31 +58,31 @@ def batches(
                 return
 
 
-def cross_entropy(logits: torch.Tensor, y: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, hp: TrainParams) -> torch.Tensor:
     """CE, optionally label-masked: logits of classes outside the client's label set (HeteroFL) or,
     without one, outside the batch (FeDepth) are set to 0 — not −∞ (METHODS §7.1)."""
-    if hp.get("masked_ce"):
+    if hp.masked_ce:
         present = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
-        label_set = hp.get("label_set")
+        label_set = hp.label_set
         present[torch.as_tensor(label_set, device=logits.device) if label_set is not None else y] = True
         logits = logits.masked_fill(~present, 0.0)
     return F.cross_entropy(logits, y)
 
 
 def step(
-    optimizer: torch.optim.Optimizer, loss: torch.Tensor, params: list[nn.Parameter], hp: dict[str, Any]
+    optimizer: torch.optim.Optimizer, loss: torch.Tensor, params: list[nn.Parameter], hp: TrainParams
 ) -> None:
+    """One optimiser step on `loss`: fresh gradients, the task's clipping, the update."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     clip_gradients(params, hp)
     optimizer.step()
 
 
-def clip_gradients(params: list[nn.Parameter], hp: dict[str, Any]) -> None:
+def clip_gradients(params: list[nn.Parameter], hp: TrainParams) -> None:
     """Gradient-norm clipping at the task's `grad_clip` (HeteroFL's 1, METHODS §7.1) before every step."""
-    clip = hp.get("grad_clip")
-    if clip:
-        nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], float(clip))
+    if hp.grad_clip:
+        nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], hp.grad_clip)
 
 
 def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

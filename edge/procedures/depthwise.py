@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from torch import nn
 from nestling.edge.procedures.common import (
     batches,
     cross_entropy,
+    local_step_count,
     log_probs,
     make_optimizer,
     probs,
@@ -135,10 +136,10 @@ class StageRunner:
 
 
 def mutual_loss(
-    logits: list[torch.Tensor], y: torch.Tensor, hp: dict[str, Any]
+    logits: list[torch.Tensor], y: torch.Tensor, hp: FedepthParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_m [CE_m + λ/(M−1) Σ_{m'≠m} KL(p^{m'}.detach() ‖ p^m)] (§3.a.7, batch-mean KL); also model 1's CE."""
-    weight = float(hp.get("kd_weight", 1.0))
+    weight = hp.kd_weight
     first = cross_entropy(logits[0], y, hp)
     total = first
     for m, own in enumerate(logits):
@@ -155,39 +156,29 @@ def mutual_loss(
     return total, first
 
 
-def stage_hparams(hp: dict[str, Any], data: ClientData, stages: int) -> dict[str, Any]:
+def stage_hparams(hp: FedepthParams, data: ClientData, stages: int) -> FedepthParams:
     """`full` (reference code): every stage gets the whole local budget; `split`: it is shared out."""
-    if hp.get("stage_steps", "full") == "full":
+    if hp.stage_steps == "full":
         return hp
-    batch = max(1, min(int(hp.get("batch_size", 32)), len(data)))
-    if hp.get("local_steps") is not None:
-        total = int(hp["local_steps"])
-    else:
-        total = int(hp.get("local_epochs", 1)) * -(-len(data) // batch)
-    return {**hp, "local_steps": max(1, total // stages)}
+    return dataclasses.replace(hp, local_steps=max(1, local_step_count(data, hp) // stages))
 
 
 def run_stages(
     models: list[ScalableNet],
     plan: StagePlan,
     data: ClientData,
-    hp: dict[str, Any],
+    hp: FedepthParams,
     generator: torch.Generator,
     observe: StepObserver | None = None,
 ) -> list[float]:
     """Train every stage in order on all models together; returns model 1's loss per step."""
     runners = [
-        StageRunner(
-            net,
-            plan,
-            aux_heads=hp.get("variant") == "aux",
-            stem_every_stage=bool(hp.get("stem_every_stage", False)),
-        )
+        StageRunner(net, plan, aux_heads=hp.variant == "aux", stem_every_stage=hp.stem_every_stage)
         for net in models
     ]
     learnable = {id(p): p.requires_grad for net in models for p in net.parameters()}
     per_stage = stage_hparams(hp, data, plan.num_stages)
-    carried: dict[int, dict[str, Any]] = {}
+    carried: dict[int, dict[str, torch.Tensor]] = {}
     losses: list[float] = []
     try:
         for j in range(plan.num_stages):
@@ -230,7 +221,7 @@ def measure_stage_peaks(
     models: list[ScalableNet],
     plan: StagePlan,
     data: ClientData,
-    hp: dict[str, Any],
+    hp: FedepthParams,
     generator: torch.Generator,
 ) -> list[int]:
     """Train as `run_stages` does and return each stage's measured peak: a step's saved activations plus the
@@ -252,10 +243,10 @@ def measure_stage_peaks(
     return peaks
 
 
-def initial_global_state(hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+def initial_global_state(hp: FedepthParams) -> dict[str, torch.Tensor]:
     """The run's initial global model, rebuilt on the board from the config and seed the server built it from
     (server/strategies/base.py: `build(full spec)` under `torch.manual_seed(seed)`): no extra download."""
-    info = hp.get("initial_model")
+    info = hp.initial_model
     if not isinstance(info, dict) or "model" not in info or "seed" not in info:
         raise ConfigError(
             "m-FeDepth needs 'initial_model' ({'model': config, 'seed': int}) in the task to start its "
@@ -288,7 +279,7 @@ def fresh_auxiliary(model: ScalableNet, initial: dict[str, torch.Tensor]) -> Sca
 
 
 def load_auxiliaries(
-    model: ScalableNet, store: DeviceStore, count: int, hp: dict[str, Any]
+    model: ScalableNet, store: DeviceStore, count: int, hp: FedepthParams
 ) -> list[ScalableNet]:
     """The client's persistent auxiliary models; missing ones (first participation) start afresh."""
     peers: list[ScalableNet] = []
@@ -314,10 +305,13 @@ def load_auxiliaries(
 
 @register("fedepth", params=FedepthParams)
 def train_fedepth(
-    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+    model: ScalableNet, data: ClientData, hp: FedepthParams, store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:
-    plan = StagePlan.from_dict(hp["plan"])
-    count = int(hp.get("models", 1))
+    """Depth-wise stages within the board's memory, with m-FeDepth's distilled auxiliary models."""
+    if hp.plan is None:
+        raise ConfigError("task hyper-parameter 'plan' for procedure 'fedepth' is missing: the stage plan")
+    plan = StagePlan.from_dict(hp.plan)
+    count = hp.models
     if count < 1:
         raise ConfigError(f"fedepth needs models >= 1, got {count}")
     peers = load_auxiliaries(model, store, count - 1, hp)
@@ -325,7 +319,7 @@ def train_fedepth(
     for m, peer in enumerate(peers):
         store[AUX_KEY.format(m)] = {k: v.detach().to("cpu").clone() for k, v in peer.state_dict().items()}
     untouched: set[str] = set()
-    if not hp.get("aggregate_bypassed", True):
+    if not hp.aggregate_bypassed:
         untouched = {f"blocks.{b}.{k}" for b in plan.bypass for k in model.blocks[b].state_dict()}
     return LocalOutcome(
         model,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -66,13 +66,14 @@ def scalefl_loss(
 
 @register("depthfl-kd", params=DepthflParams)
 def train_depthfl(
-    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+    model: ScalableNet, data: ClientData, hp: DepthflParams, store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:
+    """Every exit's CE plus mutual distillation ramped over rounds, with FedDyn's term when α > 0."""
     params = list(model.parameters())
     optimizer = make_optimizer(params, hp)
-    weight = depthfl_kd_weight(int(hp.get("round", 0)), int(hp.get("kd_ramp_rounds", 300)))
-    use_kd = bool(hp.get("kd", True))
-    alpha = float(hp.get("feddyn_alpha", 0.0))
+    weight = depthfl_kd_weight(hp.round, hp.kd_ramp_rounds)
+    use_kd = hp.kd
+    alpha = hp.feddyn_alpha
     dyn = FedDynTerm(model, store, alpha) if alpha > 0 else None
     model.train()
     losses: list[float] = []
@@ -89,14 +90,13 @@ def train_depthfl(
 
 @register("scalefl-sd", params=ScaleflParams)
 def train_scalefl(
-    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+    model: ScalableNet, data: ClientData, hp: ScaleflParams, store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:
+    """Weighted exit CE plus self-distillation from the last exit once its start round has passed."""
     params = list(model.parameters())
     optimizer = make_optimizer(params, hp)
-    kd_active = int(hp.get("round", 0)) > float(hp.get("kd_start_fraction", 0.25)) * int(
-        hp.get("total_rounds", 1)
-    )
-    gamma, temperature = float(hp.get("kd_gamma", 0.0)), float(hp.get("kd_temperature", 3.0))
+    kd_active = hp.round > hp.kd_start_fraction * hp.total_rounds
+    gamma, temperature = hp.kd_gamma, hp.kd_temperature
     model.train()
     losses: list[float] = []
     touched: set[str] = set()

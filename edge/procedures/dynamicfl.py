@@ -9,6 +9,7 @@ afresh every round from epoch 0's salience. Capacity 0 is plain local SGD, bit f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,28 +35,27 @@ STORE_KEY = "dynamicfl"
 PROTOCOLS = ("paper", "released")
 
 
-def calibration_batches(data: ClientData, hp: dict[str, Any]) -> list[torch.Tensor]:
+def calibration_batches(data: ClientData, hp: DynamicflParams) -> list[torch.Tensor]:
     """The first `recalibration_batches` local batches in data order (drawing no random numbers, so capacity 0
     trains exactly as plain SGD would)."""
-    params = DynamicflParams.from_hparams(hp)
-    batch = max(1, min(params.batch_size, len(data)))
-    count = params.recalibration_batches
+    batch = max(1, min(hp.batch_size, len(data)))
+    count = hp.recalibration_batches
     return [data.x[start : start + batch] for start in range(0, min(len(data), count * batch), batch)]
 
 
 @register("dynamicfl", params=DynamicflParams)
 def train_dynamicfl(
-    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+    model: ScalableNet, data: ClientData, hp: DynamicflParams, store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:
-    typed = DynamicflParams.from_hparams(hp)
-    capacity, protocol = typed.capacity, typed.protocol
+    """Expand the most salient convolutions, train the richer network, fuse it back to plain weights."""
+    capacity, protocol = hp.capacity, hp.protocol
     if protocol not in PROTOCOLS:
         raise ValueError(f"dynamicfl protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if capacity < 0:
         raise ValueError(f"dynamicfl capacity must be >= 0, got {capacity}")
     # Each "epoch" of the round drivers is one pass of the task's batching: E epochs, or one pass of local_steps.
-    epochs = 1 if typed.local_steps is not None else max(1, typed.local_epochs)
-    per_epoch = {**hp, "local_epochs": 1}
+    epochs = 1 if hp.local_steps is not None else max(1, hp.local_epochs)
+    per_epoch = dataclasses.replace(hp, local_epochs=1)
     if capacity == 0:  # plain local SGD, bit for bit; a board's stored structure waits for a capacity again
         plain = train_sgd(model, data, hp, store, generator)
         plain.extra.update(_report(capacity, {}, ModulationPlan()))
@@ -72,7 +72,7 @@ def train_dynamicfl(
             current.update(ids=ids, optimizer=make_optimizer(params, hp))
         optimizer = current["optimizer"]
         net.train()
-        clip = typed.grad_clip
+        clip = hp.grad_clip
         for x, y in batches(data, per_epoch, generator):
             loss = cross_entropy(outputs_list(net(x))[-1], y, hp)
             optimizer.zero_grad(set_to_none=True)
@@ -85,7 +85,7 @@ def train_dynamicfl(
 
     sites = find_sites(model, tuple(data.x.shape[1:]))
     calibration = calibration_batches(data, hp)
-    inner_width = typed.inner_width
+    inner_width = hp.inner_width
     if protocol == "paper":
         state = DynamicState.from_store(store[STORE_KEY]) if STORE_KEY in store else DynamicState()
         outcome = paper_round(
@@ -95,13 +95,13 @@ def train_dynamicfl(
             capacity,
             epochs,
             train_epoch,
-            round_index=typed.round,
+            round_index=hp.round,
             calibration=calibration,
             generator=generator,
             inner_width=inner_width,
-            local_weight=typed.local_weight,
-            cut_rule=CutRule(typed.cut_spread, typed.cut_floor),
-            keep_branches=typed.keep_branches,
+            local_weight=hp.local_weight,
+            cut_rule=CutRule(hp.cut_spread, hp.cut_floor),
+            keep_branches=hp.keep_branches,
         )
         store[STORE_KEY] = state.to_store()
     else:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from nestling.edge.procedures.common import (
@@ -17,6 +15,7 @@ from nestling.edge.procedures.common import (
     step,
 )
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.errors import ConfigError
 from nestling.models.layers import set_active_width
 from nestling.models.net import ScalableNet
 from nestling.task_params import FjordParams
@@ -38,12 +37,15 @@ def widths_up_to(p_max: float, levels: list[float]) -> list[float]:
 
 @register("fjord", params=FjordParams)
 def train_fjord(
-    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+    model: ScalableNet, data: ClientData, hp: FjordParams, store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:
-    allowed = widths_up_to(float(hp["p_max"]), [float(w) for w in hp["widths"]])
+    """Ordered dropout: one width ≤ p_max per mini-batch, optionally distilled from the widest allowed."""
+    if hp.widths is None:
+        raise ConfigError("task hyper-parameter 'widths' for procedure 'fjord' is missing: the width grid")
+    allowed = widths_up_to(hp.p_max, hp.widths)
     params = list(model.parameters())
     optimizer = make_optimizer(params, hp)
-    use_kd = bool(hp.get("fjord_kd", False))
+    use_kd = hp.fjord_kd
     model.train()
     losses: list[float] = []
     sampled: list[float] = []

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list, step
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
 from nestling.models.net import ScalableNet
+from nestling.task_params import TrainParams
 
 
 @register("sgd", batchable=True)
 def train_sgd(
-    model: ScalableNet, data: ClientData, hp: dict[str, Any], store: DeviceStore, generator: torch.Generator
+    model: ScalableNet, data: ClientData, hp: TrainParams, store: DeviceStore, generator: torch.Generator
 ) -> LocalOutcome:
+    """Plain local SGD on the deepest output."""
     params = list(model.parameters())
     optimizer = make_optimizer(params, hp)
     model.train()

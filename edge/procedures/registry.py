@@ -1,10 +1,14 @@
-"""Registry of local procedures and the records they exchange with the trainer."""
+"""Registry of local procedures and the records they exchange with the trainer.
+
+A procedure is registered with the typed record of the hyper-parameters it accepts (nestling.task_params); the
+trainer builds that record once from the task and calls the procedure with it, never with the task's JSON dict.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,7 +46,10 @@ class LocalOutcome:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-Procedure = Callable[[ScalableNet, ClientData, dict[str, Any], DeviceStore, torch.Generator], LocalOutcome]
+# (model, the board's data, the task's typed hyper-parameters, the device store, the task's generator); the third
+# argument is the record the procedure registered (`params=`), a TrainParams subclass.
+Procedure = Callable[[ScalableNet, ClientData, Any, DeviceStore, torch.Generator], LocalOutcome]
+F = TypeVar("F", bound=Procedure)
 _PROCEDURES: dict[str, Procedure] = {}
 _BATCHABLE: set[str] = set()
 _PARAMS: dict[str, type[TrainParams]] = {}
@@ -50,12 +57,17 @@ _PARAMS: dict[str, type[TrainParams]] = {}
 
 def register(
     name: str, *, batchable: bool = False, params: type[TrainParams] = TrainParams
-) -> Callable[[Procedure], Procedure]:
+) -> Callable[[F], F]:
     """Register a local procedure under `name`. `batchable`: the simulator's batched trainer
     (simulator/batched.py) reproduces it exactly, so same-spec clients may share one vmapped step.
-    `params`: the typed record of the hyper-parameters its tasks carry (nestling.task_params)."""
+    `params`: the typed record of the hyper-parameters its tasks carry (nestling.task_params), which the
+    procedure receives as its third argument."""
+    if not (isinstance(params, type) and issubclass(params, TrainParams)):
+        raise ConfigError(
+            f"local procedure '{name}': params must be a TrainParams record (nestling.task_params), got {params!r}"
+        )
 
-    def wrap(fn: Procedure) -> Procedure:
+    def wrap(fn: F) -> F:
         if name in _PROCEDURES and _PROCEDURES[name] is not fn:
             raise ConfigError(f"local procedure '{name}' is registered twice")
         _PROCEDURES[name] = fn
@@ -78,6 +90,24 @@ def check_hparams(procedure: str, hparams: dict[str, Any]) -> TrainParams:
     return params_for(procedure).from_hparams(hparams, procedure)
 
 
+def snapshot_procedures() -> tuple[dict[str, Procedure], set[str], dict[str, type[TrainParams]]]:
+    """The registry as it is now, for `restore_procedures` (tests and plugins that register for a while)."""
+    return dict(_PROCEDURES), set(_BATCHABLE), dict(_PARAMS)
+
+
+def restore_procedures(
+    snapshot: tuple[dict[str, Procedure], set[str], dict[str, type[TrainParams]]],
+) -> None:
+    """Put the registry back exactly as `snapshot_procedures` saw it (added names gone, replaced ones back)."""
+    procedures, batchable, params = snapshot
+    _PROCEDURES.clear()
+    _PROCEDURES.update(procedures)
+    _BATCHABLE.clear()
+    _BATCHABLE.update(batchable)
+    _PARAMS.clear()
+    _PARAMS.update(params)
+
+
 register_procedure = register
 
 
@@ -94,6 +124,7 @@ def is_batchable(name: str) -> bool:
 
 
 def get_procedure(name: str) -> Procedure:
+    """The procedure registered as `name`; ConfigError listing the known ones."""
     try:
         return _PROCEDURES[name]
     except KeyError:
@@ -103,4 +134,5 @@ def get_procedure(name: str) -> Procedure:
 
 
 def known_procedures() -> list[str]:
+    """Every registered procedure name, sorted."""
     return sorted(_PROCEDURES)

@@ -1,43 +1,24 @@
-"""Strategies by name: assignment + aggregation + the local procedure each device runs."""
+"""Strategies by name: assignment + aggregation + the local procedure each device runs.
+
+Every module of this package is imported here and each strategy class registers itself with
+`@register_strategy` (nestling.discovery): a new method is one module, and a plugin's strategy registers the
+same way from its own module.
+"""
 
 from __future__ import annotations
 
-from nestling.errors import ConfigError
+from nestling.discovery import import_modules
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy, StrategyContext
-from nestling.server.strategies.depthfl import DepthFL
-from nestling.server.strategies.dynamicfl import DynamicFL
-from nestling.server.strategies.fedavg import FedAvg
-from nestling.server.strategies.fedepth import FeDepth, MFeDepth
-from nestling.server.strategies.fedtrans import FedTrans
-from nestling.server.strategies.fjord import FjORD
-from nestling.server.strategies.heterofl import HeteroFL
-from nestling.server.strategies.nefl import NeFLD, NeFLW, NeFLWD
-from nestling.server.strategies.scalefl import ScaleFL
+from nestling.server.strategies.registry import (
+    STRATEGIES,
+    create_strategy,
+    register_strategy,
+    restore_strategies,
+    snapshot_strategies,
+    unregister_strategy,
+)
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (FedAvg, HeteroFL, FjORD, DepthFL, ScaleFL, NeFLW, NeFLD, NeFLWD)
-}
-
-
-def register_strategy(cls: type[Strategy]) -> type[Strategy]:
-    """Add a strategy class (FeDepth, FedTrans, ... register themselves here)."""
-    STRATEGIES[cls.name] = cls
-    return cls
-
-
-for _registered in (FeDepth, MFeDepth, DynamicFL, FedTrans):
-    register_strategy(_registered)
-
-
-def create_strategy(method: str, ctx: StrategyContext) -> Strategy:
-    try:
-        cls = STRATEGIES[method]
-    except KeyError:
-        raise ConfigError(
-            f"[method] unknown method '{method}' (known: {', '.join(sorted(STRATEGIES))})"
-        ) from None
-    return cls(ctx)
-
+import_modules(__name__, __path__)
 
 __all__ = [
     "STRATEGIES",
@@ -47,4 +28,7 @@ __all__ = [
     "StrategyContext",
     "create_strategy",
     "register_strategy",
+    "restore_strategies",
+    "snapshot_strategies",
+    "unregister_strategy",
 ]

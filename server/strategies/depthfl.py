@@ -12,6 +12,7 @@ from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.registry import register_strategy
 from nestling.spec import SubmodelSpec
 
 
@@ -21,6 +22,7 @@ def stage_ends(arch: str, image_size: int, extra: dict | None = None) -> list[in
     return [b.index for a, b in itertools.pairwise(infos) if b.stage != a.stage] + [len(infos)]
 
 
+@register_strategy
 class DepthFL(Strategy):
     """Client group d ∈ 1..S (S stages) trains the stem, stages 1..d and classifiers 1..d.
 

@@ -21,11 +21,13 @@ from nestling.models.zoo import build
 from nestling.profiler.estimator import training_memory
 from nestling.profiler.planner import device_memory_budget
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.registry import register_strategy
 from nestling.spec import SubmodelSpec
 
 PROTOCOLS = ("paper", "released")
 
 
+@register_strategy
 class DynamicFL(Strategy):
     """FedAvg of plain uploads; per-board capacity, protocol and DYMM knobs travel in the task's hparams."""
 

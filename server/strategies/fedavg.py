@@ -6,9 +6,11 @@ from typing import Any, ClassVar
 
 from nestling.messages import Result
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.registry import register_strategy
 from nestling.spec import SubmodelSpec
 
 
+@register_strategy
 class FedAvg(Strategy):
     """`width` < 1 gives the "FedAvg ×r" baseline: the whole fleet trains the model every board can hold."""
 

@@ -22,6 +22,7 @@ from nestling.profiler.decompose import (
 from nestling.profiler.estimator import estimate
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.server.strategies.fedepth_paper import paper_plan
+from nestling.server.strategies.registry import register_strategy
 from nestling.spec import SubmodelSpec
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def budget_ratios(option: Any) -> tuple[float, ...]:
     return ratios
 
 
+@register_strategy
 class FeDepth(Strategy):
     """Plans come from the greedy decomposition of each client's budget over the run's per-block training
     memory (estimated, or measured on this machine with `memory = "measure"`), or with `plan = "paper"` from
@@ -277,6 +279,7 @@ class FeDepth(Strategy):
         return [EvalTarget("full", spec, self.task_weights(spec))]
 
 
+@register_strategy
 class MFeDepth(FeDepth):
     """m-FeDepth: clients with room for M > 1 full models train M by mutual distillation, upload model 1."""
 

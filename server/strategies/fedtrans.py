@@ -52,6 +52,7 @@ from nestling.server.strategies.fedtrans_capacity import (
     validated_tiers,
 )
 from nestling.server.strategies.fedtrans_report import plot_growth
+from nestling.server.strategies.registry import register_strategy
 from nestling.slicing import check_result_tensors, extract, slices_for
 from nestling.spec import SubmodelSpec
 
@@ -98,6 +99,7 @@ def model_name(index: int) -> str:
     return f"m{index}"
 
 
+@register_strategy
 class FedTrans(Strategy):
     """Several models with lineage; each task names its model (Task.model_id) and carries its ModelConfig."""
 

@@ -7,9 +7,11 @@ from typing import Any, ClassVar
 from nestling.messages import Result
 from nestling.models.config import ModelConfig
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.registry import register_strategy
 from nestling.spec import SubmodelSpec
 
 
+@register_strategy
 class FjORD(Strategy):
     """Each client has a tier p_max; it trains the p_max-wide slice, sampling p ≤ p_max per batch.
 

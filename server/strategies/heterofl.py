@@ -10,6 +10,7 @@ from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.registry import register_strategy
 from nestling.spec import SubmodelSpec
 
 RATE_LETTERS = {"a": 1.0, "b": 0.5, "c": 0.25, "d": 0.125, "e": 0.0625}
@@ -29,6 +30,7 @@ def parse_rate_mix(mix: str) -> list[tuple[float, float]]:
     return [(rate, share / total) for rate, share in pairs]
 
 
+@register_strategy
 class HeteroFL(Strategy):
     """`fix` mode: contiguous client blocks keep their rate; `dynamic`: rates re-drawn every round."""
 

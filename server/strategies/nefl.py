@@ -13,6 +13,7 @@ from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
 from nestling.server.strategies.nefl_presets import nefl_family
+from nestling.server.strategies.registry import register_strategy
 from nestling.slicing import extract, roles_for, slices_for
 from nestling.spec import SubmodelSpec
 
@@ -162,16 +163,19 @@ def do_initial_steps(spec: SubmodelSpec) -> dict[int, float]:
     return steps
 
 
+@register_strategy
 class NeFLW(NeFL):
     name = "nefl-w"
     mode = "w"
 
 
+@register_strategy
 class NeFLD(NeFL):
     name = "nefl-d"
     mode = "d"
 
 
+@register_strategy
 class NeFLWD(NeFL):
     name = "nefl-wd"
     mode = "wd"

@@ -10,10 +10,12 @@ from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import block_infos
 from nestling.server.strategies.base import DeviceInfo, EvalTarget, Strategy
+from nestling.server.strategies.registry import register_strategy
 from nestling.server.strategies.scalefl_split import Level, explicit_levels, search_levels
 from nestling.spec import SubmodelSpec
 
 
+@register_strategy
 class ScaleFL(Strategy):
     """Level l keeps blocks [0, d_l) at width s_w,l, exits 1..l; levels come from the grid search over
     parameter-count fractions (`levels`), or are given (`grid`, e.g. from `nestling plan --method scalefl`).

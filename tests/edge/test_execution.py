@@ -11,14 +11,15 @@ from nestling.errors import ConfigError
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
+from nestling.task_params import TrainParams
 
 
 def test_bf16_runs_convolutions_in_bfloat16_and_fp32_does_not() -> None:
     conv = torch.nn.Conv2d(3, 4, 3)
     x = torch.randn(2, 3, 8, 8)
-    with task_precision({"precision": "bf16"}, "cpu"):
+    with task_precision(TrainParams(precision="bf16"), "cpu"):
         assert conv(x).dtype == torch.bfloat16
-    with task_precision({}, "cpu"):
+    with task_precision(TrainParams(), "cpu"):
         assert conv(x).dtype == torch.float32
 
 
@@ -27,7 +28,7 @@ def test_a_forward_under_bf16_sees_the_weights_as_they_are_now_not_as_first_cast
     # forward after the first optimiser step run on the downloaded weights.
     conv = torch.nn.Conv2d(3, 4, 3)
     x = torch.randn(2, 3, 8, 8)
-    with task_precision({"precision": "bf16"}, "cpu"):
+    with task_precision(TrainParams(precision="bf16"), "cpu"):
         before = conv(x)
         with torch.no_grad():
             conv.weight.mul_(-1.0)
@@ -74,7 +75,7 @@ def test_bf16_local_training_follows_fp32_training() -> None:
 def test_unknown_precision_is_refused_with_the_allowed_values() -> None:
     with (
         pytest.raises(ConfigError, match="precision must be one of fp32, bf16"),
-        task_precision({"precision": "fp16"}, "cpu"),
+        task_precision(TrainParams(precision="fp16"), "cpu"),
     ):
         pass
     with pytest.raises(ConfigError, match="precision must be one of fp32, bf16"):
@@ -83,7 +84,7 @@ def test_unknown_precision_is_refused_with_the_allowed_values() -> None:
 
 def test_channels_last_converts_convolution_weights() -> None:
     model = build(SubmodelSpec(ModelConfig("tinycnn", num_classes=5, image_size=8)))
-    apply_memory_format(model, {"channels_last": True})
+    apply_memory_format(model, TrainParams(channels_last=True))
     assert model.stem.conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 

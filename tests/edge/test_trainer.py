@@ -96,3 +96,40 @@ def test_weights_that_do_not_match_the_spec_are_refused(global_state: dict) -> N
     task = task_for(spec, global_state, procedure="no-such-procedure")
     with pytest.raises(ConfigError, match="unknown local procedure 'no-such-procedure'"):
         run_task(task, data())
+
+
+def test_the_procedure_receives_its_typed_record_built_once_from_the_task(global_state: dict) -> None:
+    """The JSON hyper-parameters become the procedure's record where the task arrives, at the task's round; a
+    JSON integer in a float field arrives as that float."""
+    from nestling.edge.procedures import (
+        LocalOutcome,
+        register_procedure,
+        restore_procedures,
+        snapshot_procedures,
+    )
+    from nestling.task_params import FjordParams
+
+    seen: list[object] = []
+    saved = snapshot_procedures()
+    try:
+
+        @register_procedure("test-trainer-record", params=FjordParams)
+        def record(model, data, hp, store, generator):  # type: ignore[no-untyped-def]
+            seen.append(hp)
+            return LocalOutcome(model, len(data), [], 0)
+
+        spec = SubmodelSpec(MODEL, width=0.5)
+        run_task(task_for(spec, global_state, procedure="test-trainer-record", lr=1, p_max=0.5), data())
+        with pytest.raises(ConfigError, match="'p_max' for procedure 'test-trainer-record'"):
+            run_task(task_for(spec, global_state, procedure="test-trainer-record", p_max="wide"), data())
+    finally:
+        restore_procedures(saved)
+    (hp,) = seen
+    assert isinstance(hp, FjordParams) and hp.round == 2 and hp.seed == 1 and hp.batch_size == 4
+    assert isinstance(hp.lr, float) and hp.lr == 1.0 and hp.p_max == 0.5 and hp.fjord_kd is False
+
+
+def test_a_task_with_a_key_its_procedure_does_not_know_is_refused_before_training(global_state: dict) -> None:
+    spec = SubmodelSpec(MODEL, width=0.5)
+    with pytest.raises(ConfigError, match=r"procedure 'sgd': unknown \['learning_rate'\]"):
+        run_task(task_for(spec, global_state, learning_rate=0.1), data())

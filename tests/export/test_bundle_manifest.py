@@ -65,7 +65,7 @@ def test_a_malformed_manifest_is_refused_naming_what_is_wrong(tmp_path: Path, ca
     edit(folder, change)
     with pytest.raises(DataError, match=named):
         read_bundle(folder)
-    assert infer_main(["--bundle", str(folder), str(tmp_path / "x.npy")]) == 1
+    assert infer_main(["--bundle", str(folder), str(tmp_path / "x.npy")]) == 2
     assert "DataError" in capsys.readouterr().err
 
 

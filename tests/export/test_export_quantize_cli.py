@@ -127,8 +127,8 @@ def test_cli_exports_an_explicit_spec_and_reports_bad_choices(
     assert read_bundle(tmp_path / "spec")["spec_id"] == spec.id
     assert (
         export_main(["--checkpoint", str(simulated_run), "--submodel", "k9", "--out", str(tmp_path / "x")])
-        == 1
+        == 2
     )
     assert "has no submodel 'k9' (known: k1" in capsys.readouterr().err
-    assert export_main(["--checkpoint", str(tmp_path), "--level", "1", "--out", str(tmp_path / "y")]) == 1
+    assert export_main(["--checkpoint", str(tmp_path), "--level", "1", "--out", str(tmp_path / "y")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err

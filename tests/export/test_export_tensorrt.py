@@ -116,7 +116,7 @@ def test_export_command_fails_fast_with_one_line_on_this_cpu_machine(
         ]
     )
     err = capsys.readouterr().err.strip()
-    assert code == 1 and err == f"DependencyError: {TENSORRT_HINT}"
+    assert code == 2 and err == f"error: DependencyError: {TENSORRT_HINT}"
     assert not (tmp_path / "b").exists()
     with pytest.raises(DependencyError):
         export_submodel(

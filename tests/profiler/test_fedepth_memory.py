@@ -14,6 +14,7 @@ from nestling.profiler.decompose import StagePlan
 from nestling.profiler.measure import profile_model
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.spec import SubmodelSpec
+from nestling.task_params import FedepthParams
 
 BATCH = 32
 
@@ -43,7 +44,9 @@ def measured_stage_peaks(budgets: str) -> tuple[list[int], int, StagePlan, int]:
     data = ClientData(
         torch.randn(64, 3, 32, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator)
     )
-    peaks = measure_stage_peaks([net], plan, data, {**task.hparams, "lr": 0.01}, generator)
+    peaks = measure_stage_peaks(
+        [net], plan, data, FedepthParams.from_hparams({**task.hparams, "lr": 0.01}), generator
+    )
     return peaks, measured_budget, plan, strategy.ratio_bytes[ratio]
 
 

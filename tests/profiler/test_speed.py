@@ -8,6 +8,7 @@ import torch
 from nestling.edge.procedures import ClientData
 from nestling.edge.procedures.common import batches
 from nestling.profiler.speed import samples_trained, steps_trained
+from nestling.task_params import TrainParams
 
 
 def test_steps_are_whole_batches_a_partial_one_included() -> None:
@@ -33,5 +34,5 @@ def test_steps_are_whole_batches_a_partial_one_included() -> None:
 )
 def test_steps_and_samples_are_what_the_local_procedures_really_take(n: int, hp: dict) -> None:
     data = ClientData(torch.zeros(n, 1, 2, 2), torch.zeros(n, dtype=torch.long))
-    drawn = [len(y) for _, y in batches(data, hp, torch.Generator().manual_seed(0))]
+    drawn = [len(y) for _, y in batches(data, TrainParams.from_hparams(hp), torch.Generator().manual_seed(0))]
     assert steps_trained(hp, n) == len(drawn) and samples_trained(hp, n) == sum(drawn)

@@ -41,3 +41,25 @@ def test_each_board_scores_its_deployed_submodel_with_quartiles_over_boards() ->
         strategy.deploy_spec(d, 1).id != targets[-1].spec.id for d in devices
     )
     assert board_accuracy(strategy, devices, [], last_round=1) is None
+
+
+def test_worst_accuracy_is_the_smallest_submodels_not_the_lowest_score() -> None:
+    """METHODS' worst is what the weakest board deploys: early in training a larger submodel can score lower."""
+    from nestling.server.run_report import summarise
+
+    submodels = [
+        {"spec_id": "a", "name": "full", "accuracy": 0.40, "loss": 1.0, "parameters": 270_000, "macs": 40},
+        {"spec_id": "b", "name": "half", "accuracy": 0.55, "loss": 1.0, "parameters": 70_000, "macs": 10},
+        {"spec_id": "c", "name": "half-b", "accuracy": 0.60, "loss": 1.0, "parameters": 70_000, "macs": 12},
+    ]
+    record = {
+        "submodels": submodels,
+        "collect_seconds": 1.0,
+        "virtual_time": 0.0,
+        "bytes_down": 0,
+        "bytes_up": 0,
+    }
+    config = {"method": {"name": "nefl-wd"}, "model": {"arch": "resnet20"}, "data": {"dataset": "digits"}}
+    summary = summarise([record], config, wall_seconds=2.0)
+    assert summary["worst_accuracy"] == 0.55  # fewest parameters, then fewest MACs
+    assert summary["avg_accuracy"] == pytest.approx((0.40 + 0.55 + 0.60) / 3)

@@ -104,9 +104,12 @@ def test_local_steps_fix_the_samples_trained() -> None:
 def test_samples_trained_counts_what_the_local_procedures_really_draw(n: int, hp: dict) -> None:
     from nestling.edge.procedures import ClientData
     from nestling.edge.procedures.common import batches
+    from nestling.task_params import TrainParams
 
     data = ClientData(torch.zeros(n, 1, 2, 2), torch.zeros(n, dtype=torch.long))
-    drawn = sum(len(y) for _, y in batches(data, hp, torch.Generator().manual_seed(0)))
+    drawn = sum(
+        len(y) for _, y in batches(data, TrainParams.from_hparams(hp), torch.Generator().manual_seed(0))
+    )
     assert samples_trained(hp, n) == drawn
 
 

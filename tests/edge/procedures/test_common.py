@@ -20,6 +20,7 @@ from nestling.edge.procedures.common import log_probs, probs
 from nestling.edge.procedures.depthwise import mutual_loss
 from nestling.edge.procedures.distill import depthfl_loss, scalefl_loss
 from nestling.edge.procedures.fjord import fjord_kd_loss
+from nestling.task_params import FedepthParams
 
 Y = torch.arange(32) % 10
 KD = 1000.0  # a distillation weight that makes the KD term dominate the (float32) cross-entropies
@@ -48,7 +49,7 @@ def gradient_error_under_bf16(loss_of: Callable[[list[torch.Tensor]], torch.Tens
 LOSSES: dict[str, tuple[Callable[[list[torch.Tensor]], torch.Tensor], int]] = {
     "depthfl": (lambda z: depthfl_loss(z, Y, kd_weight=KD), 3),
     "scalefl": (lambda z: scalefl_loss(z, Y, kd_active=True, gamma=KD, temperature=3.0), 3),
-    "m-fedepth": (lambda z: mutual_loss(z, Y, {"kd_weight": KD})[0], 2),
+    "m-fedepth": (lambda z: mutual_loss(z, Y, FedepthParams(kd_weight=KD))[0], 2),
     "fjord": (lambda z: fjord_kd_loss(z[0], z[1]), 2),
 }
 

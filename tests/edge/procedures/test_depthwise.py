@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,11 +17,12 @@ from nestling.models import ModelConfig, build
 from nestling.models.net import ScalableNet
 from nestling.profiler.decompose import StagePlan
 from nestling.spec import SubmodelSpec
+from nestling.task_params import FedepthParams
 
 torch.set_num_threads(1)
 
 MODEL = ModelConfig("preresnet20", num_classes=4, image_size=8, norm_stats="batch")
-HP = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "batch_size": 8, "local_steps": 3}
+HP = FedepthParams(lr=0.05, momentum=0.9, weight_decay=5e-4, batch_size=8, local_steps=3)
 THREE_STAGES = StagePlan(((0, 1), (2, 3, 4), (5, 6, 7, 8)))
 
 
@@ -43,7 +45,7 @@ def fedepth(net: ScalableNet, plan: StagePlan, store: DeviceStore | None = None,
     return get_procedure("fedepth")(
         net,
         data(),
-        {**HP, "plan": plan.to_dict(), **hp},
+        replace(HP, plan=plan.to_dict(), **hp),
         store if store is not None else DeviceStore(),
         torch.Generator().manual_seed(5),
     )
@@ -109,8 +111,8 @@ def test_the_head_keeps_its_momentum_across_stages_while_new_blocks_start_fresh(
         # After one step of a fresh buffer, buf = grad + wd·w_before where w_before = w + lr·buf.
         for p, fresh in ((net.blocks[2].conv1.weight, True), (net.head.fc.weight, False)):
             buf = optimizer.state[p]["momentum_buffer"]
-            w_before = p.detach() + HP["lr"] * buf
-            assert torch.allclose(buf, p.grad + HP["weight_decay"] * w_before, atol=1e-6) == fresh
+            w_before = p.detach() + HP.lr * buf
+            assert torch.allclose(buf, p.grad + HP.weight_decay * w_before, atol=1e-6) == fresh
         checked.append(j)
 
     run_stages([net], THREE_STAGES, data(), HP, torch.Generator().manual_seed(0), observe)
@@ -121,7 +123,7 @@ def test_a_single_stage_is_exactly_plain_local_training() -> None:
     """Invariant 4: a client with r = 1 performs FedAvg's local update."""
     a, b = network(), network()
     fedepth(a, StagePlan((tuple(range(9)),)))
-    get_procedure("sgd")(b, data(), dict(HP), DeviceStore(), torch.Generator().manual_seed(5))
+    get_procedure("sgd")(b, data(), HP, DeviceStore(), torch.Generator().manual_seed(5))
     for key, value in a.state_dict().items():
         assert torch.equal(value, b.state_dict()[key]), key
 
@@ -158,7 +160,7 @@ def test_stages_ending_early_train_their_own_auxiliary_head_in_the_aux_variant()
             frozen_head_in_early_stages.append(torch.equal(net.head.fc.weight, initial["head.fc.weight"]))
 
     run_stages(
-        [net], THREE_STAGES, data(), {**HP, "variant": "aux"}, torch.Generator().manual_seed(0), observe
+        [net], THREE_STAGES, data(), replace(HP, variant="aux"), torch.Generator().manual_seed(0), observe
     )
     assert frozen_head_in_early_stages == [True] * 6
     final = net.state_dict()
@@ -177,12 +179,12 @@ def test_mutual_loss_has_no_distillation_term_between_identical_models() -> None
     """Invariant 6 (first half): identical logits → the loss is the sum of the cross-entropies."""
     logits = torch.randn(6, 4)
     y = torch.tensor([0, 1, 2, 3, 0, 1])
-    total, first = mutual_loss([logits, logits.clone()], y, {})
+    total, first = mutual_loss([logits, logits.clone()], y, FedepthParams())
     assert torch.allclose(total, 2 * F.cross_entropy(logits, y)) and torch.allclose(
         first, F.cross_entropy(logits, y)
     )
-    different, _ = mutual_loss([logits, torch.randn(6, 4)], y, {})
-    single, _ = mutual_loss([logits], y, {})
+    different, _ = mutual_loss([logits, torch.randn(6, 4)], y, FedepthParams())
+    single, _ = mutual_loss([logits], y, FedepthParams())
     assert torch.allclose(single, F.cross_entropy(logits, y))
     assert different > F.cross_entropy(logits, y)
 
@@ -238,7 +240,7 @@ def test_the_auxiliary_model_starts_as_the_initial_global_model_not_the_download
             assert torch.equal(value, initial[key]), key  # the initial model's weights, not the download's
     x, y = data().x, data().y
     logits = [downloaded(x), fresh_auxiliary(downloaded, initial)(x)]
-    total, _ = mutual_loss(logits, y, {})
+    total, _ = mutual_loss(logits, y, FedepthParams())
     distillation = total - F.cross_entropy(logits[0], y) - F.cross_entropy(logits[1], y)
     assert distillation > 0.01  # the first step already distils
 
@@ -273,7 +275,7 @@ def test_an_auxiliary_of_another_model_in_the_store_is_replaced_by_a_fresh_one(c
     other = build(SubmodelSpec(ModelConfig("tinycnn", in_channels=3, image_size=16)))
     store = DeviceStore({AUX_KEY.format(0): {k: v.clone() for k, v in other.state_dict().items()}})
     initial = {"model": ModelConfig("tinycnn", in_channels=1, image_size=16).to_dict(), "seed": 0}
-    (peer,) = load_auxiliaries(small, store, 1, {"initial_model": initial})
+    (peer,) = load_auxiliaries(small, store, 1, FedepthParams(initial_model=initial))
     assert all(peer.state_dict()[k].shape == v.shape for k, v in small.state_dict().items())
     assert "does not fit" in caplog.text
 
@@ -325,6 +327,6 @@ def test_a_vit_trains_its_patch_embedding_in_every_stage() -> None:
         last = state
 
     run_stages(
-        [net], plan, data(), {**HP, "stem_every_stage": True}, torch.Generator().manual_seed(0), observe
+        [net], plan, data(), replace(HP, stem_every_stage=True), torch.Generator().manual_seed(0), observe
     )
     assert moved == [(0, True)] * 3 + [(1, True)] * 3

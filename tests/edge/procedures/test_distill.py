@@ -17,6 +17,7 @@ from nestling.edge.procedures.distill import (
 )
 from nestling.models import ModelConfig, build
 from nestling.spec import SubmodelSpec
+from nestling.task_params import DepthflParams, ScaleflParams
 
 
 def logits(seed: int) -> torch.Tensor:
@@ -133,7 +134,7 @@ def data() -> ClientData:
 def test_scalefl_kd_switches_on_only_after_a_quarter_of_the_rounds(round_index: int, active: bool) -> None:
     hp = {"round": round_index, "total_rounds": 100, "kd_gamma": 0.1, "local_steps": 1, "batch_size": 8}
     outcome = get_procedure("scalefl-sd")(
-        exit_model(), data(), hp, DeviceStore(), torch.Generator().manual_seed(0)
+        exit_model(), data(), ScaleflParams.from_hparams(hp), DeviceStore(), torch.Generator().manual_seed(0)
     )
     assert outcome.extra["kd_active"] is active
 
@@ -141,11 +142,15 @@ def test_scalefl_kd_switches_on_only_after_a_quarter_of_the_rounds(round_index: 
 def test_scalefl_reports_parameters_that_received_no_gradient() -> None:
     hp = {"round": 0, "total_rounds": 4, "local_steps": 2, "batch_size": 8}
     outcome = get_procedure("scalefl-sd")(
-        exit_model(learnable_step=False), data(), hp, DeviceStore(), torch.Generator().manual_seed(0)
+        exit_model(learnable_step=False),
+        data(),
+        ScaleflParams.from_hparams(hp),
+        DeviceStore(),
+        torch.Generator().manual_seed(0),
     )
     assert outcome.untouched == {f"blocks.{b}.step" for b in range(6)}
     trained = get_procedure("scalefl-sd")(
-        exit_model(), data(), hp, DeviceStore(), torch.Generator().manual_seed(0)
+        exit_model(), data(), ScaleflParams.from_hparams(hp), DeviceStore(), torch.Generator().manual_seed(0)
     )
     assert trained.untouched == set()
 
@@ -182,7 +187,9 @@ def test_depthfl_procedure_trains_on_the_round_ramped_kd_loss_and_honours_the_kd
     d = data()  # one batch of all 8 samples: the batch mean does not depend on their order
     hp = {"round": 150, "kd_ramp_rounds": 300, "local_steps": 1, "batch_size": 8, "kd": True, "lr": 0.5}
     net = kd_model()
-    outcome = get_procedure("depthfl-kd")(net, d, hp, DeviceStore(), torch.Generator().manual_seed(0))
+    outcome = get_procedure("depthfl-kd")(
+        net, d, DepthflParams.from_hparams(hp), DeviceStore(), torch.Generator().manual_seed(0)
+    )
     w = math.exp(-5 * 0.25)
     assert outcome.extra["kd_weight"] == pytest.approx(w)
     assert outcome.steps == 1 and all(math.isfinite(v) for v in outcome.losses)
@@ -192,6 +199,12 @@ def test_depthfl_procedure_trains_on_the_round_ramped_kd_loss_and_honours_the_kd
         close = all(torch.allclose(trained[n], v, rtol=1e-4, atol=1e-6) for n, v in expected.items())
         assert close == same, weight
     off = kd_model()
-    get_procedure("depthfl-kd")(off, d, {**hp, "kd": False}, DeviceStore(), torch.Generator().manual_seed(0))
+    get_procedure("depthfl-kd")(
+        off,
+        d,
+        DepthflParams.from_hparams({**hp, "kd": False}),
+        DeviceStore(),
+        torch.Generator().manual_seed(0),
+    )
     no_kd = expected_depthfl_step(kd_model().train(), d.x, d.y, 0.0, hp["lr"])
     assert all(torch.allclose(p.detach(), no_kd[n], rtol=1e-4, atol=1e-6) for n, p in off.named_parameters())

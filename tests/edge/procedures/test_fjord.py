@@ -11,6 +11,7 @@ from nestling.edge.procedures.fjord import widths_up_to
 from nestling.models import ModelConfig, build, kept_channels, set_active_width
 from nestling.models.layers import SlimConv2d
 from nestling.spec import SubmodelSpec
+from nestling.task_params import FjordParams
 
 LEVELS = (0.2, 0.4, 0.6, 0.8, 1.0)
 MODEL = ModelConfig("resnet20", num_classes=4, image_size=8, norm_stats="per_width", width_levels=LEVELS)
@@ -52,7 +53,9 @@ def test_sampling_stays_within_the_tier_and_each_width_moves_only_its_own_bn_sta
     conv = net.blocks[0].conv1
     conv.register_forward_hook(lambda m, i, o: widths_run.append(o.shape[1]))
     hp = {"p_max": p_max, "widths": list(LEVELS), "lr": 0.05, "batch_size": 4, "local_steps": 30}
-    outcome = get_procedure("fjord")(net, data(), hp, DeviceStore(), torch.Generator().manual_seed(1))
+    outcome = get_procedure("fjord")(
+        net, data(), FjordParams.from_hparams(hp), DeviceStore(), torch.Generator().manual_seed(1)
+    )
     sampled = outcome.extra["sampled_widths"]
     assert len(sampled) == 30 and set(sampled) <= {0.2, 0.4, 0.6}
     assert len(set(sampled)) > 1  # more than one width is actually drawn
@@ -85,7 +88,7 @@ def test_self_distillation_teacher_learns_only_from_its_own_cross_entropy() -> N
         "fjord_kd": True,
     }
     generator = torch.Generator().manual_seed(5)
-    outcome = get_procedure("fjord")(net, d, hp, DeviceStore(), generator)
+    outcome = get_procedure("fjord")(net, d, FjordParams.from_hparams(hp), DeviceStore(), generator)
     (p,) = outcome.extra["sampled_widths"]
     if p == p_max:
         pytest.skip("seed drew p_max: no distillation step to check")
@@ -125,7 +128,7 @@ def test_the_distillation_step_honours_grad_clip() -> None:
     outcome = get_procedure("fjord")(
         net,
         data(),
-        {**hp, "fjord_kd": True, "grad_clip": clip},
+        FjordParams.from_hparams({**hp, "fjord_kd": True, "grad_clip": clip}),
         DeviceStore(),
         torch.Generator().manual_seed(3),
     )

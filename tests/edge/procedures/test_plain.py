@@ -9,6 +9,7 @@ from nestling.edge.procedures import ClientData, DeviceStore, get_procedure
 from nestling.edge.procedures.common import batches, cross_entropy
 from nestling.models import ModelConfig, build
 from nestling.spec import SubmodelSpec
+from nestling.task_params import TrainParams
 
 MODEL = ModelConfig("tinycnn", num_classes=4, image_size=8)
 
@@ -28,7 +29,7 @@ def train(model_config: ModelConfig = MODEL, seed: int = 0, **hp) -> tuple[torch
     outcome = get_procedure("sgd")(
         net,
         data(),
-        {"lr": 0.05, "batch_size": 8, "local_epochs": 1, **hp},
+        TrainParams.from_hparams({"lr": 0.05, "batch_size": 8, "local_epochs": 1, **hp}),
         DeviceStore(),
         torch.Generator().manual_seed(seed),
     )
@@ -59,17 +60,17 @@ def test_frozen_step_sizes_stay_at_their_initial_value() -> None:
 
 def test_batches_honour_local_steps_and_skip_single_sample_batches() -> None:
     generator = torch.Generator().manual_seed(0)
-    assert len(list(batches(data(24), {"batch_size": 5, "local_steps": 7}, generator))) == 7
+    assert len(list(batches(data(24), TrainParams(batch_size=5, local_steps=7), generator))) == 7
     # 9 samples, batch 4: an epoch is ceil(9/4) = 3 steps; the lone ninth sample (which BatchNorm's batch
     # statistics cannot use) is skipped and the step comes from the next shuffle instead.
-    sizes = [len(y) for _, y in batches(data(9), {"batch_size": 4, "local_epochs": 1}, generator)]
+    sizes = [len(y) for _, y in batches(data(9), TrainParams(batch_size=4, local_epochs=1), generator)]
     assert sizes == [4, 4, 4]
 
 
 def test_masked_cross_entropy_zeroes_logits_outside_the_label_set() -> None:
     logits = torch.tensor([[2.0, -1.0, 3.0, 0.5]])
     y = torch.tensor([0])
-    masked = cross_entropy(logits, y, {"masked_ce": True, "label_set": [0, 1]})
+    masked = cross_entropy(logits, y, TrainParams(masked_ce=True, label_set=[0, 1]))
     expected = F.cross_entropy(torch.tensor([[2.0, -1.0, 0.0, 0.0]]), y)  # 0, not −∞ (METHODS §7.1)
     torch.testing.assert_close(masked, expected)
-    assert torch.equal(cross_entropy(logits, y, {}), F.cross_entropy(logits, y))
+    assert torch.equal(cross_entropy(logits, y, TrainParams()), F.cross_entropy(logits, y))

@@ -187,6 +187,7 @@ def test_m_fedepth_tasks_let_the_board_rebuild_the_initial_global_model() -> Non
     """§3.a.7: the auxiliary starts from the initial global model; the board rebuilds it from the task's
     config and seed, bit-for-bit what the server started from."""
     from nestling.edge.procedures.depthwise import initial_global_state
+    from nestling.task_params import FedepthParams
 
     ctx = cifar_ctx()
     ctx.seed = 7
@@ -194,7 +195,7 @@ def test_m_fedepth_tasks_let_the_board_rebuild_the_initial_global_model() -> Non
     initial = {k: v.clone() for k, v in strategy.global_state.items()}
     tasks = strategy.assign(0, devices())
     assert "initial_model" not in tasks["dev-00000"].hparams  # one model: nothing to rebuild
-    rebuilt = initial_global_state(tasks["dev-00007"].hparams)
+    rebuilt = initial_global_state(FedepthParams.from_hparams(tasks["dev-00007"].hparams))
     assert rebuilt.keys() == initial.keys()
     assert all(torch.equal(rebuilt[k], initial[k]) for k in initial)
 
