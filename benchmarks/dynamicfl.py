@@ -18,7 +18,7 @@ refused). Reported:
 * extra training time and memory per capacity class: one training step of the model with c convs expanded
   (the paper's round-0 choice, bottom-up), timed side by side with the plain step (interleaved repetitions)
   and its autograd-saved bytes measured (profiler.memory.SavedTensorMeter), with the estimator's price
-  (nestling.reparam.capacity_cost, the worst choice of c convs) beside it.
+  (nestling.methods.dynamicfl.capacity_cost, the worst choice of c convs) beside it.
 
 Last line: `dynamicfl_acc=… fedavg_acc=… gain_by_capacity=g0/g1/g2 gain_by=… local_epochs=E expanded_by_capacity=…
 time_ratio_by_capacity=… saved_mb_by_capacity=…`.
@@ -142,10 +142,10 @@ def step_costs(
     model_name: str, dataset_shape: tuple[int, int, int], classes: int, batch: int, repeats: int
 ) -> list[dict]:
     """Measured time ratio and saved bytes of a training step with c convs expanded, per capacity."""
+    from nestling.methods.dynamicfl import bottom_up, capacity_cost, expand_model, find_sites
     from nestling.models.config import ModelConfig
     from nestling.models.zoo import build
     from nestling.profiler.memory import SavedTensorMeter, model_tensors
-    from nestling.reparam import bottom_up, capacity_cost, expand_model, find_sites
     from nestling.spec import SubmodelSpec
 
     channels, size, _ = dataset_shape

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+import nestling.methods  # noqa: F401  (the methods' exit heads register before a model is built)
 from nestling.calibration import model_for_target
 from nestling.errors import ConfigError
 from nestling.eval_target import EvalTarget

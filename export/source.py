@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nestling.methods  # noqa: F401  (the methods' exit heads register before a model is built)
 from nestling.checkpoint_io import Deployables, load_deployables, resolve_checkpoint
 from nestling.errors import ConfigError, SpecError
 from nestling.eval_target import EvalTarget

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import nestling.methods  # noqa: F401  (the methods' exit heads register how they fold)
 from nestling.errors import SpecError
 from nestling.export.fold import (
     ChannelAffine,
@@ -33,7 +34,6 @@ from nestling.export.plain_layers import (
     TokenHead,
 )
 from nestling.models.family import family_of
-from nestling.models.heads import SepConv
 from nestling.models.layers import Scaler
 from nestling.models.net import ScalableNet
 
@@ -113,7 +113,7 @@ class StandaloneNet(nn.Module):
 
 # -- conversion of each ScalableNet part -----------------------------------------------------------
 def fold_chain(modules: list[nn.Module]) -> list[nn.Module]:
-    """conv [→ Scaler] [→ BN] runs become one conv; activations and resizes pass through; SepConvs recurse."""
+    """conv [→ Scaler] [→ BN] runs become one conv; activations and resizes pass through; Sequentials recurse."""
     out: list[nn.Module] = []
     i = 0
     while i < len(modules):
@@ -133,9 +133,7 @@ def fold_chain(modules: list[nn.Module]) -> list[nn.Module]:
                 )
             i = j
             continue
-        if isinstance(module, SepConv):
-            out.extend(fold_chain(list(module.body)))
-        elif isinstance(module, nn.Sequential):
+        if isinstance(module, nn.Sequential):
             out.extend(fold_chain(list(module)))
         elif isinstance(module, (nn.ReLU, nn.Sigmoid, nn.Upsample, nn.MaxPool2d)):
             out.append(module)

@@ -10,10 +10,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
-from torch import nn
 
 from nestling.errors import SpecError
-from nestling.models.layers import SlimBatchNorm2d, SlimLayerNorm
+from nestling.models.roles import roles_of
 from nestling.models.zoo import build
 from nestling.packed import pack
 from nestling.spec import SubmodelSpec
@@ -25,26 +24,7 @@ Region = tuple[slice, ...]
 def _shapes_and_roles(spec: SubmodelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     net = build(spec, device="meta")
     shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
-    return shapes, _roles_of(net)
-
-
-def _roles_of(net: nn.Module) -> dict[str, str]:
-    roles: dict[str, str] = {}
-    for module_name, module in net.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        for name, _ in list(module.named_parameters(recurse=False)) + list(
-            module.named_buffers(recurse=False)
-        ):
-            key = prefix + name
-            if isinstance(module, SlimBatchNorm2d):
-                roles[key] = "norm"
-            elif isinstance(module, SlimLayerNorm):
-                roles[key] = "layer_norm"
-            elif name.startswith("step"):
-                roles[key] = "step"
-            else:
-                roles[key] = "weight"
-    return roles
+    return shapes, roles_of(net)
 
 
 def shapes_for(spec: SubmodelSpec) -> dict[str, tuple[int, ...]]:
@@ -53,7 +33,8 @@ def shapes_for(spec: SubmodelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def roles_for(spec: SubmodelSpec) -> dict[str, str]:
-    """Role of every tensor: 'norm' (BN params and buffers), 'layer_norm', 'step' (step sizes) or 'weight'."""
+    """Role of every tensor as its module declared it (nestling.models.roles): 'norm' (BN params and buffers),
+    'layer_norm', 'step' (step sizes) or, undeclared, 'weight'."""
     return dict(_shapes_and_roles(spec)[1])
 
 

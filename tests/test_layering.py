@@ -1,7 +1,8 @@
 """Layers only point down: an AST scan of every module's imports (module- and function-level, importlib strings).
 
-kernel (nestling/*) <- profiler <- export <- edge;  kernel <- profiler <- server;  simulator and the app entry
-points (nestling/cli.py) may use everything. Also: no bare pre-namespace names (`import server`), and no import
+kernel (nestling/*) <- methods (methods/: what each method owns, shared by server and board) <- profiler <- export
+<- edge;  methods <- profiler <- server;  simulator and the app entry points (nestling/cli.py) may use everything.
+Methods import only the kernel and each other. Also: no bare pre-namespace names (`import server`), and no import
 cycles between the modules of one package at module level.
 """
 
@@ -12,16 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MAPPED = ("server", "edge", "profiler", "export", "simulator")
+MAPPED = ("methods", "server", "edge", "profiler", "export", "simulator")
 APP = {"nestling.cli", "nestling.__main__"}
 ALLOWED: dict[str, set[str]] = {
     "kernel": {"kernel"},
-    "profiler": {"kernel", "profiler"},
-    "export": {"kernel", "profiler", "export"},
-    "edge": {"kernel", "profiler", "export", "edge"},
-    "server": {"kernel", "profiler", "server"},
-    "simulator": {"kernel", "profiler", "export", "edge", "server", "simulator"},
-    "app": {"kernel", "profiler", "export", "edge", "server", "simulator", "app"},
+    "methods": {"kernel", "methods"},
+    "profiler": {"kernel", "methods", "profiler"},
+    "export": {"kernel", "methods", "profiler", "export"},
+    "edge": {"kernel", "methods", "profiler", "export", "edge"},
+    "server": {"kernel", "methods", "profiler", "server"},
+    "simulator": {"kernel", "methods", "profiler", "export", "edge", "server", "simulator"},
+    "app": {"kernel", "methods", "profiler", "export", "edge", "server", "simulator", "app"},
 }
 
 
@@ -198,6 +200,9 @@ def test_the_checker_sees_function_level_string_and_bare_imports(tmp_path: Path)
     )
     (tmp_path / "simulator" / "run.py").write_text("import server\n")
     (tmp_path / "profiler" / "walk.py").write_text("from ..server import strategies\n")
+    (tmp_path / "methods" / "growth.py").write_text("from nestling.profiler import walk\n")
+    (tmp_path / "nestling" / "heads.py").write_text("def load():\n    import nestling.methods.growth\n")
+    (tmp_path / "server" / "plan.py").write_text("import nestling.methods.growth\n")
     problems = "\n".join(upward_arrows(tmp_path))
     assert (
         "export/source.py:2: export -> server: imports nestling.server.strategies (inside a function"
@@ -206,4 +211,10 @@ def test_the_checker_sees_function_level_string_and_bare_imports(tmp_path: Path)
     assert "edge/cli.py:4: edge -> simulator: imports nestling.simulator.run" in problems
     assert "simulator/run.py:1 imports the bare old name 'server'" in problems
     assert "profiler/walk.py:1: profiler -> server" in problems
+    assert "methods/growth.py:1: methods -> profiler: imports nestling.profiler.walk" in problems
+    assert (
+        "nestling/heads.py:2: kernel -> methods: imports nestling.methods.growth (inside a function"
+        in problems
+    )
+    assert "server/plan.py" not in problems  # a layer above the methods may use them
     assert module_cycles(tmp_path) == [["nestling.slicing", "nestling.spec"]]

@@ -16,7 +16,7 @@ import pytest
 import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
-PRODUCT_FOLDERS = ("nestling", "server", "edge", "profiler", "export", "simulator")
+PRODUCT_FOLDERS = ("nestling", "methods", "server", "edge", "profiler", "export", "simulator")
 
 
 def _python_packages_on_disk() -> set[str]:
@@ -67,14 +67,15 @@ def test_a_fresh_wheel_installs_nothing_at_top_level_but_nestling(tmp_path: Path
     for package in _python_packages_on_disk():
         assert f"{package.replace('.', '/')}/__init__.py" in names, f"{package} missing from the wheel"
     assert "nestling/server/coordinator.py" in names and "nestling/export/infer.py" in names
+    assert "nestling/methods/depthfl/exit_head.py" in names and "nestling/methods/dynamicfl/dbb.py" in names
 
 
 def test_the_old_top_level_names_do_not_import(tmp_path: Path) -> None:
     """From outside the repository (no cwd on the path), only the namespaced names resolve."""
     probe = (
         "import importlib.util as u, sys;"
-        "old = [n for n in ('server', 'edge', 'profiler', 'export', 'simulator') if u.find_spec(n)];"
-        "import nestling.server.coordinator, nestling.edge.trainer, nestling.profiler.estimator,"
+        "old = [n for n in ('methods', 'server', 'edge', 'profiler', 'export', 'simulator') if u.find_spec(n)];"
+        "import nestling.methods.fedtrans, nestling.server.coordinator, nestling.edge.trainer, nestling.profiler.estimator,"
         " nestling.export.bundle, nestling.simulator.run;"
         "sys.exit(f'importable at top level: {old}' if old else 0)"
     )

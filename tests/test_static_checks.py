@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-MAPPED = ("server", "edge", "profiler", "export", "simulator")
+MAPPED = ("methods", "server", "edge", "profiler", "export", "simulator")
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -20,8 +20,15 @@ from torch import nn
 from nestling.edge.procedures.common import batches, cross_entropy, make_optimizer, outputs_list
 from nestling.edge.procedures.plain import train_sgd
 from nestling.edge.procedures.registry import ClientData, DeviceStore, LocalOutcome, register
+from nestling.methods.dynamicfl import (
+    CutRule,
+    DynamicState,
+    ModulationPlan,
+    find_sites,
+    paper_round,
+    released_round,
+)
 from nestling.models.net import ScalableNet
-from nestling.reparam import CutRule, DynamicState, ModulationPlan, find_sites, paper_round, released_round
 from nestling.task_params import DynamicflParams
 
 STORE_KEY = "dynamicfl"

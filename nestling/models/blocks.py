@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nestling.models.context import BuildContext
+from nestling.models.roles import STEP, declare_role
 
 
 def _step(initial: float, learnable: bool) -> nn.Parameter:
@@ -49,6 +50,7 @@ class BasicBlock(nn.Module):
         self.scale2 = ctx.scaler()
         self.bn2 = ctx.norm(global_out)
         self.step = _step(1.0, ctx.model.learnable_step)
+        declare_role(self, STEP, "step")
 
     def stepped_channels(self) -> int:
         """Channels the step size multiplies (grouped training broadcasts each client's step over them)."""
@@ -98,6 +100,7 @@ class PreActBlock(nn.Module):
         self.bn2 = ctx.norm(hidden, hidden_ratio)
         self.conv2 = ctx.conv(hidden, global_out, 3, in_ratio=hidden_ratio)
         self.step = _step(1.0, ctx.model.learnable_step)
+        declare_role(self, STEP, "step")
 
     def stepped_channels(self) -> int:
         """Channels the step size multiplies (grouped training broadcasts each client's step over them)."""
@@ -150,6 +153,7 @@ class EncoderBlock(nn.Module):
         self.fc2 = ctx.linear(mlp_dim, dim, slim_out=True, in_ratio=ratio)
         self.step_sa = _step(1.0, ctx.model.learnable_step)
         self.step_ffn = _step(1.0, ctx.model.learnable_step)
+        declare_role(self, STEP, "step_sa", "step_ffn")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skipped:

@@ -1,12 +1,24 @@
-"""Classifier heads: the final head and the exit heads that can follow any block (METHODS §1.5, §6.a.4, §7.3)."""
+"""Classifier heads: the final head, the kernel's plain exit, and the registry of the exit heads methods bring.
+
+An exit head follows a chosen block (`ModelConfig.exit_points`); `ModelConfig.exit_kind` names which kind. The
+kernel knows one kind, "linear" (a normalised pool → linear, METHODS §1.5). A method with its own exits (ScaleFL
+§6.a.4, DepthFL §7.3, FeDepth §3.a.8 under nestling/methods/) registers an `ExitHead` under the name its
+checkpoints carry, so the kernel never names a method.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nestling.errors import ConfigError
 from nestling.models.context import BuildContext
+
+ExportKit = Any  # nestling.export.standalone.KIT (the kernel does not import export)
 
 
 class PoolClassifier(nn.Module):
@@ -29,70 +41,6 @@ class PoolClassifier(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-class ScaleFLExit(nn.Module):
-    """ScaleFL exit: 3 × [conv3×3 C→C → Scaler → BN → ReLU] → GAP → linear (METHODS §6.a.4)."""
-
-    def __init__(self, ctx: BuildContext, global_channels: int) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        for _ in range(3):
-            layers += [
-                ctx.conv(global_channels, global_channels, 3),
-                ctx.scaler(),
-                ctx.norm(global_channels),
-                nn.ReLU(),
-            ]
-        self.body = nn.Sequential(*layers)
-        self.fc = ctx.classifier(global_channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.body(x), 1), 1))
-
-
-class SepConv(nn.Module):
-    """depthwise 3×3 (stride s) → 1×1 → BN → ReLU → depthwise 3×3 → 1×1 → BN → ReLU (DepthFL heads)."""
-
-    def __init__(self, ctx: BuildContext, global_in: int, global_out: int, stride: int) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            ctx.conv(global_in, global_in, 3, stride=stride, depthwise=True),
-            ctx.conv(global_in, global_in, 1),
-            ctx.norm(global_in),
-            nn.ReLU(),
-            ctx.conv(global_in, global_in, 3, depthwise=True),
-            ctx.conv(global_in, global_out, 1),
-            ctx.norm(global_out),
-            nn.ReLU(),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
-class DepthFLExit(nn.Module):
-    """DepthFL exit (METHODS §7.3): sigmoid attention gate, then SepConvs doubling channels to the last stage."""
-
-    def __init__(self, ctx: BuildContext, global_channels: int, final_channels: int) -> None:
-        super().__init__()
-        self.attention = nn.Sequential(
-            SepConv(ctx, global_channels, global_channels, 2), nn.Upsample(scale_factor=2), nn.Sigmoid()
-        )
-        stack: list[nn.Module] = []
-        channels = global_channels
-        while channels < final_channels:
-            stack.append(SepConv(ctx, channels, channels * 2, 2))
-            channels *= 2
-        self.stack = nn.Sequential(*stack)
-        self.fc = ctx.classifier(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.attention(x)
-        if gate.shape[-2:] != x.shape[-2:]:  # odd spatial sizes: the upsampled gate may be one pixel larger
-            gate = gate[..., : x.shape[-2], : x.shape[-1]]
-        feature = self.stack(gate * x)
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(feature, 1), 1))
-
-
 class TokenClassifier(nn.Module):
     """ViT head: LayerNorm → class token → linear."""
 
@@ -105,11 +53,88 @@ class TokenClassifier(nn.Module):
         return self.fc(self.norm(x)[:, 0])
 
 
+class ExitHead:
+    """One kind of exit head: how it is built after a block, and (when the family cannot) how export folds it.
+
+    Subclasses register with `@register_exit_head("name")`; `ModelConfig.exit_kind` selects one by that name.
+    """
+
+    name: str = ""
+
+    def build(
+        self, ctx: BuildContext, global_channels: int, final_channels: int, *, preact: bool
+    ) -> nn.Module:
+        """The exit after a block emitting `global_channels`; `final_channels` is the last stage's width."""
+        raise NotImplementedError(f"exit head '{self.name}' does not build")
+
+    def standalone(self, part: nn.Module, kit: ExportKit) -> nn.Module | None:
+        """The folded inference form of `part` if this kind built it, else None (export asks every kind)."""
+        return None
+
+
+_EXIT_HEADS: dict[str, ExitHead] = {}
+H = TypeVar("H", bound=Callable[[], ExitHead])
+
+
+def register_exit_head(name: str) -> Callable[[H], H]:
+    """Decorator: register the exit head `factory()` returns (an ExitHead subclass, usually) under `name`."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"an exit head is registered under a non-empty name, got {name!r}")
+
+    def register(factory: H) -> H:
+        head = factory()
+        if not isinstance(head, ExitHead):
+            raise ConfigError(f"{getattr(factory, '__name__', factory)!r} must return an ExitHead")
+        if name in _EXIT_HEADS:
+            raise ConfigError(f"[model] exit head '{name}' is registered twice")
+        head.name = name
+        _EXIT_HEADS[name] = head
+        return factory
+
+    return register
+
+
+def unregister_exit_head(name: str) -> None:
+    """Remove an exit head (tests that register a throw-away kind clean up with this)."""
+    _EXIT_HEADS.pop(name, None)
+
+
+def registered_exit_heads() -> dict[str, ExitHead]:
+    """Every registered exit head by name, in registration order."""
+    return dict(_EXIT_HEADS)
+
+
+def exit_head(kind: str) -> ExitHead:
+    """The registered exit head `kind`, or a ConfigError naming the known kinds."""
+    try:
+        return _EXIT_HEADS[kind]
+    except (KeyError, TypeError):
+        known = ", ".join(_EXIT_HEADS)
+        hint = (
+            "" if len(_EXIT_HEADS) > 1 else "; the methods' exit heads register on `import nestling.methods`"
+        )
+        raise ConfigError(f"[model] unknown exit_kind {kind!r} (known: {known}{hint})") from None
+
+
 def make_exit(ctx: BuildContext, global_channels: int, final_channels: int, *, preact: bool) -> nn.Module:
     """The exit head of the model config's `exit_kind` for a block emitting `global_channels`."""
-    kind = ctx.model.exit_kind
-    if kind == "scalefl":
-        return ScaleFLExit(ctx, global_channels)
-    if kind == "depthfl":
-        return DepthFLExit(ctx, global_channels, final_channels)
-    return PoolClassifier(ctx, global_channels, with_norm=True, relu=kind != "fedepth")
+    return exit_head(ctx.model.exit_kind).build(ctx, global_channels, final_channels, preact=preact)
+
+
+def standalone_exit(part: nn.Module, kit: ExportKit) -> nn.Module | None:
+    """The folded form of an exit head a registered kind built, or None when no kind claims `part`."""
+    for head in _EXIT_HEADS.values():
+        converted = head.standalone(part, kit)
+        if converted is not None:
+            return converted
+    return None
+
+
+@register_exit_head("linear")
+class LinearExit(ExitHead):
+    """The kernel's exit: BN → ReLU → global average pool → linear (METHODS §1.5); the family folds it."""
+
+    def build(
+        self, ctx: BuildContext, global_channels: int, final_channels: int, *, preact: bool
+    ) -> nn.Module:
+        return PoolClassifier(ctx, global_channels, with_norm=True)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nestling.models.roles import LAYER_NORM, NORM, declare_role, own_tensor_names
+
 
 def kept_channels(global_channels: int, ratio: float, rounding: str = "ceil") -> int:
     """Channels kept out of `global_channels` at width `ratio` (METHODS §1.1; ScaleFL floors)."""
@@ -154,6 +156,7 @@ class SlimBatchNorm2d(nn.BatchNorm2d):
                     n = kept_channels(global_features, level, rounding)
                     self.register_buffer(f"running_mean_w{j}", torch.zeros(n))
                     self.register_buffer(f"running_var_w{j}", torch.ones(n))
+        declare_role(self, NORM, *own_tensor_names(self))  # affine and statistics: per-submodel in NeFL
 
     def set_active_width(self, ratio: float | None) -> None:
         if ratio is None:
@@ -211,6 +214,7 @@ class SlimLayerNorm(nn.LayerNorm):
     def __init__(self, features: int, *, global_features: int) -> None:
         super().__init__(features)
         self.global_features = global_features
+        declare_role(self, LAYER_NORM, *own_tensor_names(self))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[-1]

@@ -17,7 +17,7 @@ from nestling.errors import ConfigError, SpecError
 from nestling.models.blocks import BasicBlock, PreActBlock
 from nestling.models.context import BuildContext
 from nestling.models.family import ExportKit, GrowthCells, ModelFamily, NeflPreset, Walker
-from nestling.models.heads import DepthFLExit, PoolClassifier, ScaleFLExit, make_exit
+from nestling.models.heads import PoolClassifier, make_exit, standalone_exit
 from nestling.models.net import BlockInfo
 
 if TYPE_CHECKING:
@@ -170,20 +170,15 @@ class ResNetFamily(ModelFamily):
         if isinstance(part, PreActBlock):
             return _standalone_preact(part, kit)
         if isinstance(part, PoolClassifier):
-            pre = (
-                kit.pre_activation(part.norm, kit.scaler_factor(part.scale))
-                if part.norm is not None and part.scale is not None
-                else nn.Identity()
-            )
+            pre: nn.Module = nn.Identity()
+            if part.norm is not None and part.scale is not None and part.relu:
+                pre = kit.pre_activation(part.norm, kit.scaler_factor(part.scale))
+            elif part.norm is not None and part.scale is not None:  # FeDepth's exits: no ReLU (§3.a.8)
+                pre = kit.ChannelAffine(kit.bn_affine(part.norm, kit.scaler_factor(part.scale)))
             return kit.PoolLinear(pre, kit.plain_linear(part.fc))
-        if isinstance(part, ScaleFLExit):
-            return kit.PoolLinear(nn.Sequential(*kit.fold_chain(list(part.body))), kit.plain_linear(part.fc))
-        if isinstance(part, DepthFLExit):
-            return kit.GatedPoolLinear(
-                nn.Sequential(*kit.fold_chain(list(part.attention))),
-                nn.Sequential(*kit.fold_chain(list(part.stack))),
-                kit.plain_linear(part.fc),
-            )
+        converted = standalone_exit(part, kit)  # a method's exit head (ScaleFL's, DepthFL's) folds itself
+        if converted is not None:
+            return converted
         raise SpecError(f"export does not know the {type(part).__name__} of model family '{self.name}'")
 
     # -- method questions ----------------------------------------------------------------------

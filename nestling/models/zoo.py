@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from nestling.models.family import family_of, kept_blocks, registered_families
+from nestling.models.heads import exit_head
 from nestling.models.net import BlockInfo, ScalableNet
 
 if TYPE_CHECKING:  # nestling.spec imports nestling.models: a runtime import here would be circular
@@ -61,6 +62,7 @@ def _init_weights(net: nn.Module) -> None:
 def build(spec: SubmodelSpec, *, device: torch.device | str | None = None, init: bool = True) -> ScalableNet:
     """Make the physically smaller module of `spec` (a board never allocates the full model)."""
     family = family_of(spec.model.arch)
+    exit_head(spec.model.exit_kind)  # an unknown kind is refused even when this submodel keeps no exit
     if device is not None and str(device) == "meta":
         with torch.device("meta"):
             return family.build(spec)

@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
+from nestling.methods.dynamicfl import BRANCHES, ConvSite, affordable_capacity, find_sites
 from nestling.models.zoo import build
 from nestling.profiler.estimator import training_memory
 from nestling.profiler.planner import device_memory_budget
-from nestling.reparam import BRANCHES, ConvSite, affordable_capacity, find_sites
 from nestling.server.strategies.base import DeviceInfo, EvalTarget
 from nestling.server.strategies.options import MethodOptions
 from nestling.server.strategies.registry import register_strategy

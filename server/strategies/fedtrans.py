@@ -6,7 +6,7 @@ task whose spec carries that model's own ModelConfig (its `extra["layout"]`), an
 loss. The server then updates utilities (Eq. 4), averages uploads per model (FedAvg), shares knowledge from
 older to newer models (soft aggregation, Eq. 5) and, when the newest model's loss has flattened (DoC ≤ β)
 and a stronger board exists, widens/deepens its most active cells into a new model. The numbers live in
-`nestling.growth` (docs/fedtrans.md); this class owns the state, the checkpoints and the reports.
+`nestling.methods.fedtrans` (docs/fedtrans.md); this class owns the state, the checkpoints and the reports.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 
 from nestling.aggregation import Contribution, masked_mean
 from nestling.errors import ConfigError, SpecError
-from nestling.growth import (
+from nestling.messages import Result, Task
+from nestling.methods.fedtrans import (
     Lineage,
     TrainingReport,
     cell_activeness,
@@ -37,9 +38,8 @@ from nestling.growth import (
     transform,
     update_utilities,
 )
-from nestling.growth.cells import growable_family, is_statistic
-from nestling.growth.transform import OPERATIONS
-from nestling.messages import Result, Task
+from nestling.methods.fedtrans.cells import growable_family, is_statistic
+from nestling.methods.fedtrans.transform import OPERATIONS
 from nestling.models.config import ModelConfig
 from nestling.models.zoo import build
 from nestling.profiler.estimator import training_memory

@@ -288,7 +288,7 @@ def test_the_device_store_survives_an_agent_restart_with_a_state_file(broker, se
 
 def test_a_dynamicfl_structure_survives_an_agent_restart_with_a_state_file(broker, server, tmp_path):
     """The board's re-parameterised structure ζ_i and salience (METHODS §5.a.6) outlive the agent process."""
-    from nestling.reparam import DynamicState
+    from nestling.methods.dynamicfl import DynamicState
 
     config, data, first, task, result = _train_once_with_a_state_file(
         broker,

@@ -51,6 +51,9 @@ CASES = {
     "depthfl gated exits": SubmodelSpec(
         ModelConfig("resnet20", exit_points=(2, 5), exit_kind="depthfl"), exits=(2, 5)
     ),
+    "fedepth exits (BN, no ReLU)": SubmodelSpec(
+        ModelConfig("preresnet20", exit_points=(2, 5), exit_kind="fedepth"), width=0.5, exits=(2, 5)
+    ),
     "fjord per-width BN": SubmodelSpec(
         ModelConfig("resnet20", norm_stats="per_width", width_levels=(0.5, 1.0)), width=0.5
     ),

@@ -12,8 +12,8 @@ import torch
 
 from nestling.config import config_from_dict
 from nestling.messages import Result, Task
+from nestling.methods.dynamicfl import affordable_capacity
 from nestling.profiler.estimator import training_memory
-from nestling.reparam import affordable_capacity
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.simulator.run import run_simulation

@@ -18,14 +18,14 @@ from nestling.edge.procedures import DeviceStore
 from nestling.edge.trainer import run_task
 from nestling.errors import ConfigError, SpecError
 from nestling.export.source import open_checkpoint, select_target
-from nestling.growth import fedavg, layout_of
 from nestling.messages import Task
+from nestling.methods.fedtrans import fedavg, layout_of
 from nestling.profiler.catalogue import BOARDS
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.server.strategies.fedtrans import FedTrans
 from nestling.server.strategies.fedtrans_capacity import Capacity, capacity_of
 from nestling.simulator.fleetdata import device_id, load_fleet_data
-from tests.nestling.growth.growth_helpers import TINY_VIT, family_without_layout
+from tests.methods.fedtrans.growth_helpers import TINY_VIT, family_without_layout
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from nestling.errors import ConfigError
-from nestling.growth.cells import identity_provenance
+from nestling.methods.fedtrans.cells import identity_provenance
 from nestling.server.strategies import DeviceInfo, StrategyContext, create_strategy
 from nestling.server.strategies.fedtrans import FedTrans, growth_window
 
