@@ -443,12 +443,10 @@ def interleaved_overhead(
         cohort_outliers(
             [u.statistics for u in updates], statistics, policy.bn_variance_factor, policy.bn_mean_sigmas
         )
-        if policy.min_update_cosine > -1.0 or policy.cohort_screen:
-            cosines = direction_cosines(updates, layout, workspace)
-            if policy.cohort_screen:
-                update_cohort_outliers(updates, cosines)
-            if policy.min_update_cosine > -1.0:
-                direction_outliers(cosines, policy)
+        if policy.min_update_cosine > -1.0:
+            direction_outliers(direction_cosines(updates, layout, workspace), policy)
+        if policy.cohort_screen:
+            update_cohort_outliers(updates)
         bounded = bound_influence(
             pairs, [r.num_samples for _, r in pairs], policy.max_sample_factor, policy.max_weight_share
         ).accepted

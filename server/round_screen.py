@@ -89,23 +89,24 @@ class RoundScreen:
     def _screen_directions(
         self, round_index: int, accepted: Pairs, counters: Counter[str], directions: bool
     ) -> Pairs:
-        """The cohort screen (server/update_cohort.py) and, when enabled, the round-wide direction rule, from
-        one computation of each update's cosine with the mean of the others."""
+        """The round-wide direction rule when enabled (cosines with the mean of the others), and the cohort
+        screen (server/update_cohort.py: cosines with the cohort's coordinate-wise median)."""
         updates = [self.updates[r.task_id] for _, r in accepted]
-        cosines = direction_cosines(updates, self.layout(), self.workspace)
         turned: dict[int, tuple[str, str]] = {}
+        if directions:  # the operator's explicit rule names what both find
+            cosines = direction_cosines(updates, self.layout(), self.workspace)
+            for index, why in direction_outliers(cosines, self.robust).items():
+                turned[index] = ("rejected_update_direction", why)
         if self.robust.cohort_screen:
-            verdict = update_cohort_outliers(updates, cosines)
-            turned.update((i, ("rejected_update_cohort", why)) for i, why in verdict.refused.items())
+            verdict = update_cohort_outliers(updates)
+            for index, why in verdict.refused.items():
+                turned.setdefault(index, ("rejected_update_cohort", why))
             if verdict.unjudged:
                 log.debug(
                     "round %d: cohort screen skipped submodels with too few updates (elements: updates) %s",
                     round_index,
                     verdict.unjudged,
                 )
-        if directions:
-            for index, why in direction_outliers(cosines, self.robust).items():
-                turned.setdefault(index, ("rejected_update_direction", why))
         for index, (counter, why) in sorted(turned.items()):
             self.refusals.refuse(round_index, accepted[index][1].device_id, counter, why)
             counters[counter] += 1

@@ -2,20 +2,19 @@
 
 `server/screening.py`'s direction rule (`min_update_cosine`) is opt-in because an honest board of a skewed fleet
 can point against the others. This screen judges each update against the other updates of its own submodel
-(the same tensors and shapes) in the round, only in cohorts of at least COHORT_MIN, and refuses an update whose
-cosine with the mean of the others (on the coordinates both touch, `direction_cosines`) is
+(the same tensors and shapes) in the round, only in cohorts of at least COHORT_MIN, by its cosine with the
+cohort's coordinate-wise median update, and refuses it when that cosine is
 
-* below FLOOR (it does not move the model the way the others do: a sign flip, label-flipped training and
-  noise sit at -0.7..+0.05 against honest IID medians of +0.45..+0.75), and
+* below FLOOR (it does not move the model the way the others do: on IID digits a sign flip, label-flipped
+  training and noise sit at -0.9..+0.05 against honest medians of +0.6..+0.8), and
 * more than SPREADS robust deviations below the cohort's median cosine (the deviations' median, at least
   MIN_SPREAD each), and
 * in a cohort whose median cosine is at least CONSENSUS, refusing at most a minority.
 
-The spread is what keeps skewed fleets safe: on a Dirichlet fleet honest cosines are spread out (their median
-absolute deviation is several times an IID round's), so the cut falls below every honest board. Measured on
-digits, 10 boards, 20 rounds (docs/benchmarks.md, robustness section): the cut never reached an honest update
-of an IID, Dirichlet(0.5) or Dirichlet(0.1) fleet. A method whose boards train different submodels is judged per
-submodel, and a submodel with fewer than COHORT_MIN updates in the round is not judged (logged once a round).
+On a skewed fleet honest cosines spread out and their median falls (digits, 10 boards, 20 rounds: round medians
++0.21..+0.33 at Dirichlet(0.5), +0.05..+0.16 at Dirichlet(0.1)), so such rounds are not judged: the screen acts
+where boards agree, and there an update that points elsewhere stands out by tens of deviations. A submodel with
+fewer than COHORT_MIN updates in the round is not judged (the caller logs it).
 
 It reads only what screening measured on arrival and never changes an update it does not refuse, so an honest
 run that trips nothing is aggregated bit for bit as with the screen off.
@@ -23,8 +22,11 @@ run that trips nothing is aggregated bit for bit as with the screen off.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from statistics import median
+
+import torch
 
 from nestling.server.flat_updates import FlatUpdate
 
@@ -32,7 +34,7 @@ COHORT_MIN = 5  # fewer updates of one submodel in a round: not judged (one bad 
 FLOOR = 0.1  # an update must point less along the others than this to be refused
 SPREADS = 8.0  # ... and be this many robust deviations below the cohort's median cosine
 MIN_SPREAD = 0.05  # a deviation counts at least this (a few closely agreeing boards: the MAD is near 0)
-CONSENSUS = 0.3  # below this median cosine a cohort has no common direction to defend
+CONSENSUS = 0.4  # below this median cosine a cohort has no common direction to defend
 
 Signature = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -50,20 +52,51 @@ def signature(update: FlatUpdate) -> Signature:
     return tuple(sorted(zip(update.keys, update.shapes, strict=True)))
 
 
-def cohort_outliers(updates: list[FlatUpdate], cosines: list[float | None]) -> CohortVerdict:
-    """The refusals of one round, given each update's cosine with the mean of the others."""
+def cohort_outliers(updates: list[FlatUpdate]) -> CohortVerdict:
+    """The refusals of one round: each cohort's updates against their coordinate-wise median."""
     verdict = CohortVerdict()
     cohorts: dict[Signature, list[int]] = {}
     for i, update in enumerate(updates):
-        cohorts.setdefault(signature(update), []).append(i)
+        if update.vector.numel():
+            cohorts.setdefault(signature(update), []).append(i)
     for members in cohorts.values():
-        judged = [(i, c) for i in members if (c := cosines[i]) is not None]
-        if len(judged) < COHORT_MIN:
+        if len(members) < COHORT_MIN:
             size = updates[members[0]].size.elements
             verdict.unjudged[size] = verdict.unjudged.get(size, 0) + len(members)
             continue
-        verdict.refused.update(_outliers(judged))
+        judged = list(zip(members, median_cosines([updates[i] for i in members]), strict=True))
+        verdict.refused.update(_outliers([(i, c) for i, c in judged if c is not None]))
     return verdict
+
+
+def median_cosines(cohort: list[FlatUpdate]) -> list[float | None]:
+    """Each update's cosine with the coordinate-wise median of its cohort (one submodel, any tensor order).
+
+    The median, not the mean of the others: a bad update barely moves it, so honest updates' cosines stay as
+    tight with an attacker in the round as without (against the others' mean, a noise update 5x an honest norm
+    spread the honest cosines of an IID round enough to hide itself in 2 of 10 rounds)."""
+    first = cohort[0]
+    rows = torch.stack([_in_order(update, first) for update in cohort])
+    centre = rows.median(dim=0).values
+    centre_norm = float(torch.linalg.vector_norm(centre))
+    dots = torch.mv(rows, centre).tolist()
+    cosines: list[float | None] = []
+    for update, dot in zip(cohort, dots, strict=True):
+        denominator = update.size.norm * centre_norm
+        cosines.append(dot / denominator if denominator > 0 and math.isfinite(denominator) else None)
+    return cosines
+
+
+def _in_order(update: FlatUpdate, like: FlatUpdate) -> torch.Tensor:
+    """`update`'s vector with its tensors in `like`'s order (the same submodel sent in another order)."""
+    if update.keys == like.keys:
+        return update.vector
+    where, offset = {}, 0
+    for key, shape in zip(update.keys, update.shapes, strict=True):
+        size = math.prod(shape)
+        where[key] = (offset, size)
+        offset += size
+    return torch.cat([update.vector[a : a + n] for a, n in (where[key] for key in like.keys)])
 
 
 def cut(values: list[float]) -> float | None:
@@ -82,7 +115,7 @@ def _outliers(judged: list[tuple[int, float]]) -> dict[int, str]:
         return {}
     centre = median(values)
     refused = {
-        i: f"update cosine {c:+.3f} with its cohort's mean below {bound:+.3f} "
+        i: f"update cosine {c:+.3f} with its cohort's median update below {bound:+.3f} "
         f"(cohort of {len(values)}, median {centre:+.3f})"
         for i, c in judged
         if c < bound
