@@ -3,7 +3,8 @@
 `server/screening.py`'s direction rule (`min_update_cosine`) is opt-in because an honest board of a skewed fleet
 can point against the others. This screen judges each update against the other updates of its own submodel
 (the same tensors and shapes) in the round, only in cohorts of at least COHORT_MIN, by its cosine with the
-cohort's coordinate-wise median update, and refuses it when that cosine is
+mean of the cohort's core (the half that agrees best with the others; `core_cosines`), and refuses it when
+that cosine is
 
 * below FLOOR (it does not move the model the way the others do: on IID digits a sign flip sits at -0.84..-0.55,
   label-flipped training at -0.21..+0.02 after its first round and noise at +0.03..+0.10, against round
@@ -54,7 +55,7 @@ def signature(update: FlatUpdate) -> Signature:
 
 
 def cohort_outliers(updates: list[FlatUpdate]) -> CohortVerdict:
-    """The refusals of one round: each cohort's updates against their coordinate-wise median."""
+    """The refusals of one round: each cohort's updates against the mean of its core (`core_cosines`)."""
     verdict = CohortVerdict()
     cohorts: dict[Signature, list[int]] = {}
     for i, update in enumerate(updates):
@@ -65,25 +66,46 @@ def cohort_outliers(updates: list[FlatUpdate]) -> CohortVerdict:
             size = updates[members[0]].size.elements
             verdict.unjudged[size] = verdict.unjudged.get(size, 0) + len(members)
             continue
-        judged = list(zip(members, median_cosines([updates[i] for i in members]), strict=True))
+        judged = list(zip(members, core_cosines([updates[i] for i in members]), strict=True))
         verdict.refused.update(_outliers([(i, c) for i, c in judged if c is not None]))
     return verdict
 
 
-def median_cosines(cohort: list[FlatUpdate]) -> list[float | None]:
-    """Each update's cosine with the coordinate-wise median of its cohort (one submodel, any tensor order).
+def core_cosines(cohort: list[FlatUpdate]) -> list[float | None]:
+    """Each update's cosine with the mean of its cohort's core: the half of the cohort that agrees best with the
+    others (the upper half of the cosines with the mean of the others), itself left out of that mean.
 
-    The median, not the mean of the others: a bad update barely moves it, so honest updates' cosines stay as
-    tight with an attacker in the round as without (against the others' mean, a noise update 5x an honest norm
-    spread the honest cosines of an IID round enough to hide itself in 2 of 10 rounds)."""
+    Against the mean of all the others, an attacker is in every honest update's reference: a noise update 5x an
+    honest norm spread the honest cosines of an IID round enough to hide in 2 of 10 rounds. The core leaves it out
+    (a minority never reaches the upper half), so the honest cosines stay as tight as without it. The
+    coordinate-wise median does the same at 100x the cost (5 ms a tinycnn round, 200 ms on ResNet-20): this is
+    two sums and two matrix-vector products."""
     first = cohort[0]
     rows = torch.stack([_in_order(update, first) for update in cohort])
-    centre = rows.median(dim=0).values
-    centre_norm = float(torch.linalg.vector_norm(centre))
-    dots = torch.mv(rows, centre).tolist()
+    squares = [update.size.norm**2 for update in cohort]
+    everyone = _cosines_with(rows, rows.sum(dim=0), squares, [True] * len(cohort))
+    ranked = sorted((c for c in everyone if c is not None), reverse=True)
+    if len(ranked) < 2:
+        return everyone
+    threshold = ranked[(len(ranked) - 1) // 2]  # the upper half, the median included
+    core = [c is not None and c >= threshold for c in everyone]
+    members = [i for i, inside in enumerate(core) if inside]
+    return _cosines_with(rows, rows[members].sum(dim=0), squares, core)
+
+
+def _cosines_with(
+    rows: torch.Tensor, total: torch.Tensor, squares: list[float], inside: list[bool]
+) -> list[float | None]:
+    """Each row's cosine with `total` (a sum of rows), less the row itself where it is one of the summed."""
+    dots = torch.mv(rows, total).tolist()
+    total_sq = float(torch.dot(total, total))
     cosines: list[float | None] = []
-    for update, dot in zip(cohort, dots, strict=True):
-        denominator = update.size.norm * centre_norm
+    for dot, square, own in zip(dots, squares, inside, strict=True):
+        if own:
+            dot, reference_sq = dot - square, total_sq - 2.0 * dot + square
+        else:
+            reference_sq = total_sq
+        denominator = math.sqrt(max(square, 0.0) * max(reference_sq, 0.0))
         cosines.append(dot / denominator if denominator > 0 and math.isfinite(denominator) else None)
     return cosines
 
@@ -116,7 +138,7 @@ def _outliers(judged: list[tuple[int, float]]) -> dict[int, str]:
         return {}
     centre = median(values)
     refused = {
-        i: f"update cosine {c:+.3f} with its cohort's median update below {bound:+.3f} "
+        i: f"update cosine {c:+.3f} with its cohort's core below {bound:+.3f} "
         f"(cohort of {len(values)}, median {centre:+.3f})"
         for i, c in judged
         if c < bound
