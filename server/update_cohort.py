@@ -6,16 +6,17 @@ can point against the others. This screen judges each update against the other u
 mean of the cohort's core (the half that agrees best with the others; `core_cosines`), and refuses it when
 that cosine is
 
-* below FLOOR (it does not move the model the way the others do: on IID digits a sign flip sits at -0.84..-0.55,
-  label-flipped training at -0.21..+0.02 after its first round and noise at +0.03..+0.10, against round
-  medians of +0.65..+0.80), and
+* below FLOOR (it does not move the model the way the others do: on IID digits a sign flip sits at -0.91..-0.54,
+  label-flipped training at -0.41..+0.06 after its first round and noise at -0.02..+0.03, against round
+  medians of +0.56..+0.91), and
 * more than SPREADS robust deviations below the cohort's median cosine (the deviations' median, at least
   MIN_SPREAD each), and
 * in a cohort whose median cosine is at least CONSENSUS, refusing at most a minority.
 
-On a skewed fleet honest cosines spread out and their median falls (digits, 10 boards, 20 rounds: round medians
-+0.21..+0.33 at Dirichlet(0.5), +0.05..+0.16 at Dirichlet(0.1)), so such rounds are not judged: the screen acts
-where boards agree, and there an update that points elsewhere stands out by tens of deviations. A submodel with
+On a skewed fleet honest cosines spread out and their median falls (digits, 10 boards, 10 honest rounds: round
+medians +0.19..+0.31 at Dirichlet(0.5), -0.19..+0.03 at Dirichlet(0.1)), so such rounds are not judged: the
+screen acts where boards agree (IID: medians +0.59..+0.74, every honest board >= +0.43 and at most 5.3
+deviations below the median), and there an update that points elsewhere stands out by tens of deviations. A submodel with
 fewer than COHORT_MIN updates in the round is not judged (the caller logs it).
 
 It reads only what screening measured on arrival and never changes an update it does not refuse, so an honest
@@ -33,7 +34,7 @@ import torch
 from nestling.server.flat_updates import FlatUpdate
 
 COHORT_MIN = 5  # fewer updates of one submodel in a round: not judged (one bad board among 4 sets the median)
-FLOOR = 0.2  # an update must point less along the cohort than this to be refused (noise: up to +0.1)
+FLOOR = 0.2  # an update must point less along its cohort than this to be refused
 SPREADS = 8.0  # ... and be this many robust deviations below the cohort's median cosine
 MIN_SPREAD = 0.05  # a deviation counts at least this (a few closely agreeing boards: the MAD is near 0)
 CONSENSUS = 0.4  # below this median cosine a cohort has no common direction to defend
