@@ -266,14 +266,14 @@ ATTACKS: dict[str, Attack] = {
 }
 
 
-def config(a: argparse.Namespace, screening: bool) -> Any:
+def config(a: argparse.Namespace, screening: bool, seed: int | None = None) -> Any:
     from nestling.config import config_from_dict
 
     return config_from_dict(
         {
             "run": {
                 "rounds": a.rounds,
-                "seed": a.seed,
+                "seed": a.seed if seed is None else seed,
                 "quorum": 0.6,
                 "eval_every": a.rounds,
                 "checkpoint_every": 0,
@@ -281,9 +281,10 @@ def config(a: argparse.Namespace, screening: bool) -> Any:
                 "screen_updates": screening,
                 "divergence_guard": screening,
                 "aggregation": a.aggregation,
+                "cohort_screen": screening and a.cohort_screen == "on",
                 **({} if a.min_update_cosine is None else {"min_update_cosine": a.min_update_cosine}),
             },
-            "data": {"dataset": "digits", "clients": 10},
+            "data": {"dataset": "digits", "clients": 10, "partition": a.partition, "alpha": a.alpha},
             "model": {"arch": a.model},
             "method": {"name": a.method},
             "train": {
@@ -305,11 +306,12 @@ def one_run(
     attack: Attack | None,
     screening: bool = True,
     recorder: Tamper | None = None,
+    seed: int | None = None,
 ) -> dict:
     """One run; an exception is a crash (the server would have exited), reported, not raised."""
     from nestling.simulator.run import run_simulation
 
-    cfg = config(a, screening)
+    cfg = config(a, screening, seed)
     tamper = recorder
     if attack is not None:
         tamper = attack.tamper
@@ -385,6 +387,7 @@ def interleaved_overhead(
     )
     from nestling.server.statistics_cohort import cohort_outliers
     from nestling.server.strategies import StrategyContext, create_strategy
+    from nestling.server.update_cohort import cohort_outliers as update_cohort_outliers
     from nestling.spec import SubmodelSpec
 
     model = SubmodelSpec.from_dict(pairs[0][0].spec).model
@@ -442,6 +445,8 @@ def interleaved_overhead(
         )
         if policy.min_update_cosine > -1.0:
             direction_outliers(direction_cosines(updates, layout, workspace), policy)
+        if policy.cohort_screen:
+            update_cohort_outliers(updates)
         bounded = bound_influence(
             pairs, [r.num_samples for _, r in pairs], policy.max_sample_factor, policy.max_weight_share
         ).accepted
@@ -463,13 +468,40 @@ def interleaved_overhead(
     return median(guarded), median(plain), median(guarded) / median(plain)
 
 
+def _line(run: dict, honest: dict) -> str:
+    kind = ATTACKS[run["name"]].kind if run["name"] in ATTACKS else "honest"
+    if run["crash"]:
+        return f"{run['name']:<22} {kind:<8} CRASHED  {run['crash']}"
+    drop = 100 * (honest["accuracy"] - run["accuracy"])
+    return (
+        f"{run['name']:<22} {kind:<8} accuracy {100 * run['accuracy']:6.2f}%  drop {drop:+6.2f} pts  "
+        f"finished {run['finished']}  refused {run['refused']:3d}  bounded {run['bounded']:3d}  "
+        f"aggregate {run['aggregate_seconds']:.3f}s  quarantined {run['quarantined']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="one or more seeds: each attack is judged by its mean drop over them (each against its seed's "
+        "honest run)",
+    )
     parser.add_argument("--model", default="tinycnn")
     parser.add_argument("--method", default="fedavg")
     parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--partition", default="iid", choices=("iid", "dirichlet"))
+    parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (with --partition)")
+    parser.add_argument(
+        "--cohort-screen",
+        default="on",
+        choices=("on", "off"),
+        help="[run] cohort_screen in the screened runs (server/update_cohort.py; default on, as the run default)",
+    )
     parser.add_argument(
         "--aggregation",
         default="mean",
@@ -493,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only", nargs="+", choices=sorted(ATTACKS), help="run these attacks only (default: all)"
     )
     a = parser.parse_args(argv)
+    seeds, a.seed = a.seed, a.seed[0]
     if a.quick:
         a.rounds = 3
     if a.repeats is None:
@@ -504,34 +537,42 @@ def main(argv: list[str] | None = None) -> int:
     plan: list[tuple[str, Attack | None, bool]] = [("honest", None, True), ("honest_unscreened", None, False)]
     chosen = [name for name in ATTACKS if not a.only or name in a.only]
     plan += [(name, ATTACKS[name], True) for name in chosen]
-    runs: dict[str, dict] = {}
+    by_seed: dict[int, dict[str, dict]] = {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, Progress(transient=True) as progress:
-        bar = progress.add_task("robustness runs", total=len(plan))
-        for name, attack, screening in plan:
-            progress.update(bar, description=name)
-            runs[name] = one_run(
-                a, Path(tmp), name, attack, screening, recorder if name == "honest" else None
-            )
-            progress.advance(bar)
-    honest = runs["honest"]
-    attacks = [runs[name] for name in chosen]
-    for run in runs.values():
-        kind = ATTACKS[run["name"]].kind if run["name"] in ATTACKS else "honest"
-        if run["crash"]:
-            print(f"{run['name']:<22} {kind:<8} CRASHED  {run['crash']}")
-            continue
-        drop = 100 * (honest["accuracy"] - run["accuracy"])
+        bar = progress.add_task("robustness runs", total=len(plan) * len(seeds))
+        for seed in seeds:
+            runs = by_seed[seed] = {}
+            for name, attack, screening in plan:
+                progress.update(bar, description=f"seed {seed} {name}")
+                record = recorder if name == "honest" and seed == seeds[0] else None
+                runs[name] = one_run(a, Path(tmp), f"{name}-{seed}", attack, screening, record, seed)
+                runs[name]["name"] = name
+                progress.advance(bar)
+    for seed, runs in by_seed.items():
+        if len(seeds) > 1:
+            print(f"seed {seed}")
+        for run in runs.values():
+            print(_line(run, runs["honest"]))
+    crashes = sum(any(runs[name]["crash"] is not None for runs in by_seed.values()) for name in chosen)
+    mean_drops = {}
+    for name in chosen:
+        drops = [
+            100 * (runs["honest"]["accuracy"] - runs[name]["accuracy"])
+            for runs in by_seed.values()
+            if runs[name]["crash"] is None
+        ]
+        if drops:
+            mean_drops[name] = sum(drops) / len(drops)
+    if len(seeds) > 1:
         print(
-            f"{run['name']:<22} {kind:<8} accuracy {100 * run['accuracy']:6.2f}%  drop {drop:+6.2f} pts  "
-            f"finished {run['finished']}  refused {run['refused']:3d}  bounded {run['bounded']:3d}  "
-            f"aggregate {run['aggregate_seconds']:.3f}s  quarantined {run['quarantined']}"
+            f"mean drop over seeds {seeds}: "
+            + ", ".join(f"{name} {drop:+.2f}" for name, drop in mean_drops.items())
         )
-    crashes = sum(run["crash"] is not None for run in attacks)
-    drops = [100 * (honest["accuracy"] - run["accuracy"]) for run in attacks if run["crash"] is None]
-    worst_drop = max(drops) if drops else math.nan
-    finished = sum(run["finished"] for run in attacks)
-    in_run = honest["aggregate_seconds"] / max(runs["honest_unscreened"]["aggregate_seconds"], 1e-9)
+    worst_drop = max(mean_drops.values()) if mean_drops else math.nan
+    finished = sum(all(runs[name]["finished"] for runs in by_seed.values()) for name in chosen)
+    first = by_seed[seeds[0]]
+    in_run = first["honest"]["aggregate_seconds"] / max(first["honest_unscreened"]["aggregate_seconds"], 1e-9)
     last = recorder.rounds[max(recorder.rounds)]
     from nestling.server.screening import robust_policy
 
@@ -542,13 +583,16 @@ def main(argv: list[str] | None = None) -> int:
         f"guard + aggregation {1e3 * screened_s:.2f} ms, aggregation alone {1e3 * plain_s:.2f} ms "
         f"(whole runs, as the coordinator counted: x{in_run:.2f})"
     )
+    same = all(r["honest"]["accuracy"] == r["honest_unscreened"]["accuracy"] for r in by_seed.values())
+    partition = a.partition if a.partition == "iid" else f"dirichlet({a.alpha:g})"
     print(
-        f"{a.rounds} rounds, seed {a.seed}, {a.model}/{a.method}, aggregation {a.aggregation}; wall {time.perf_counter() - started:.0f}s; "
-        f"honest screened == unscreened accuracy: {honest['accuracy'] == runs['honest_unscreened']['accuracy']}"
+        f"{a.rounds} rounds, seeds {seeds}, {a.model}/{a.method}, {partition}, aggregation {a.aggregation}, "
+        f"cohort screen {a.cohort_screen}; wall {time.perf_counter() - started:.0f}s; "
+        f"honest screened == unscreened accuracy: {same}"
     )
     print(
-        f"attacks={len(attacks)} crashes={crashes} worst_acc_drop={worst_drop:.2f} "
-        f"runs_finished={finished}/{len(attacks)} honest_overhead={overhead:.2f}"
+        f"attacks={len(chosen)} crashes={crashes} worst_acc_drop={worst_drop:.2f} "
+        f"runs_finished={finished}/{len(chosen)} honest_overhead={overhead:.2f}"
     )
     return 0
 

@@ -130,6 +130,9 @@ class RunSection:
     # BN running statistics against the cohort, channel by channel (server/statistics_cohort.py)
     bn_variance_factor: float = 4.0
     bn_mean_sigmas: float = 3.0
+    # refuse an update far off the direction of its submodel's other updates in the round, in cohorts of 5+
+    # (server/update_cohort.py); its cut sits below every honest IID and Dirichlet board measured
+    cohort_screen: bool = True
 
 
 BACKENDS = ("auto", "inprocess", "pool", "ray")

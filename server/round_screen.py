@@ -29,6 +29,8 @@ from nestling.server.screening import (
     update_size,
 )
 from nestling.server.statistics_cohort import cohort_outliers
+from nestling.server.update_cohort import COHORT_MIN
+from nestling.server.update_cohort import cohort_outliers as update_cohort_outliers
 
 log = logging.getLogger("nestling.coordinator")
 
@@ -62,16 +64,9 @@ class RoundScreen:
             accepted = self._measure_waiting(round_index, accepted, counters)
         if robust.screen_updates and accepted:
             accepted, round_rms = self._screen_sizes(round_index, accepted, counters, softened)
-        if robust.screen_updates and robust.min_update_cosine > -1.0 and len(accepted) >= 3:
-            cosines = direction_cosines(
-                [self.updates[r.task_id] for _, r in accepted], self.layout(), self.workspace
-            )
-            turned = direction_outliers(cosines, robust)
-            for index, reason in sorted(turned.items()):
-                device_id = accepted[index][1].device_id
-                self.refusals.refuse(round_index, device_id, "rejected_update_direction", reason)
-                counters["rejected_update_direction"] += 1
-            accepted = [pair for i, pair in enumerate(accepted) if i not in turned]
+        directions = robust.min_update_cosine > -1.0 and len(accepted) >= 3
+        if robust.screen_updates and (directions or (robust.cohort_screen and len(accepted) >= COHORT_MIN)):
+            accepted = self._screen_directions(round_index, accepted, counters, directions)
         bounded = bound_influence(accepted, self.cohort, robust.max_sample_factor, robust.max_weight_share)
         for _, kept, why in bounded.changed.values():
             counters["bounded_num_samples"] += 1
@@ -90,6 +85,32 @@ class RoundScreen:
                 clipped.append((task, clip_update(task, result, norm, bound)))
             accepted = clipped
         return accepted, round_rms
+
+    def _screen_directions(
+        self, round_index: int, accepted: Pairs, counters: Counter[str], directions: bool
+    ) -> Pairs:
+        """The round-wide direction rule when enabled (cosines with the mean of the others), and the cohort
+        screen (server/update_cohort.py: cosines with the cohort's coordinate-wise median)."""
+        updates = [self.updates[r.task_id] for _, r in accepted]
+        turned: dict[int, tuple[str, str]] = {}
+        if directions:  # the operator's explicit rule names what both find
+            cosines = direction_cosines(updates, self.layout(), self.workspace)
+            for index, why in direction_outliers(cosines, self.robust).items():
+                turned[index] = ("rejected_update_direction", why)
+        if self.robust.cohort_screen:
+            verdict = update_cohort_outliers(updates)
+            for index, why in verdict.refused.items():
+                turned.setdefault(index, ("rejected_update_cohort", why))
+            if verdict.unjudged:
+                log.debug(
+                    "round %d: cohort screen skipped submodels with too few updates (elements: updates) %s",
+                    round_index,
+                    verdict.unjudged,
+                )
+        for index, (counter, why) in sorted(turned.items()):
+            self.refusals.refuse(round_index, accepted[index][1].device_id, counter, why)
+            counters[counter] += 1
+        return [pair for i, pair in enumerate(accepted) if i not in turned]
 
     def _screen_sizes(
         self, round_index: int, accepted: Pairs, counters: Counter[str], softened: dict[str, float]

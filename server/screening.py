@@ -93,6 +93,9 @@ class RobustPolicy:
         4.0  # running variances per channel vs the cohort (server/statistics_cohort.py)
     )
     bn_mean_sigmas: float = 3.0  # running means' shift from the cohort, in its standard deviations
+    cohort_screen: bool = (
+        True  # refuse updates far off their submodel cohort's direction (server/update_cohort.py)
+    )
 
     def __post_init__(self) -> None:
         checks = [
@@ -134,6 +137,7 @@ def robust_policy(run: RunSection) -> RobustPolicy:
         max_weight_share=run.max_weight_share or None,
         bn_variance_factor=run.bn_variance_factor,
         bn_mean_sigmas=run.bn_mean_sigmas,
+        cohort_screen=run.cohort_screen,
     )
 
 

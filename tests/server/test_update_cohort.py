@@ -1,0 +1,136 @@
+"""The cohort update screen on its own: who is judged, where the cut falls, and that honest spreads are safe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nestling.server.screening import FlatUpdate, UpdateSize
+from nestling.server.update_cohort import COHORT_MIN, cohort_outliers, cut
+
+
+def update(vector: torch.Tensor, keys: tuple[str, ...] = ("w",)) -> FlatUpdate:
+    shapes = ((vector.numel(),),) if keys == ("w",) else ((vector.numel() // 2,), (vector.numel() // 2,))
+    return FlatUpdate(keys, shapes, vector, UpdateSize(float(vector.norm()), vector.numel()))
+
+
+def cohort(n: int, seed: int = 0, spread: float = 0.5) -> list[torch.Tensor]:
+    """n honest updates: one shared direction plus each board's own part."""
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randn(64, generator=generator)
+    return [shared + spread * torch.randn(64, generator=generator) for _ in range(n)]
+
+
+def test_a_sign_flip_and_noise_are_refused_in_an_agreeing_cohort_honest_boards_are_not() -> None:
+    honest = cohort(9)
+    for bad in (
+        -honest[0],
+        torch.randn(64, generator=torch.Generator().manual_seed(7)) * honest[0].norm() / 8,
+    ):
+        vectors = [bad, *honest]
+        verdict = cohort_outliers([update(v) for v in vectors])
+        assert list(verdict.refused) == [0] and "below" in verdict.refused[0]
+    assert cohort_outliers([update(v) for v in honest]).refused == {}
+
+
+def test_small_cohorts_are_not_judged_and_say_so() -> None:
+    honest = cohort(COHORT_MIN - 2)
+    vectors = [-honest[0], *honest]
+    verdict = cohort_outliers([update(v) for v in vectors])
+    assert verdict.refused == {} and verdict.unjudged == {64: COHORT_MIN - 1}
+
+
+def test_each_submodel_is_its_own_cohort_whatever_order_its_tensors_came_in() -> None:
+    honest = cohort(6)
+    # the same submodel, its two halves sent in the other order: still one cohort (the sign flip is caught);
+    # a lone update of another submodel (other keys) is not judged.
+    swapped = update(torch.cat([-honest[0][32:], -honest[0][:32]]), ("b", "a"))
+    swapped = FlatUpdate(("b", "a"), ((32,), (32,)), swapped.vector, swapped.size)
+    members = [swapped, *(FlatUpdate(("a", "b"), ((32,), (32,)), v, update(v).size) for v in honest[1:])]
+    lone = update(torch.randn(10), ("w",))
+    verdict = cohort_outliers([*members, lone])
+    assert list(verdict.refused) == [0] and verdict.unjudged == {10: 1}
+
+
+def test_the_cut_needs_a_consensus_and_falls_below_a_spread_out_cohort() -> None:
+    assert cut([0.1, 0.2, 0.25, 0.15, 0.3]) is None  # no common direction: nothing refused
+    iid = [0.62, 0.6, 0.65, 0.58, 0.66, 0.61, 0.63, 0.59, 0.64]
+    assert cut(iid) == 0.2  # tight agreement: the floor decides
+    skewed = [0.6, 0.55, 0.45, 0.2, 0.1, 0.4, 0.5, 0.62, -0.3]  # honest non-IID: a wide spread
+    bound = cut(skewed)
+    assert bound is not None and bound < min(skewed)
+    # digits at Dirichlet(0.5), round 1 (docs/benchmarks.md): median +0.33, under the consensus level
+    assert cut([-0.03, 0.33, 0.35, 0.3, 0.2, 0.34, 0.36, 0.31, 0.25, 0.4]) is None
+
+
+def test_two_camps_of_one_size_have_no_consensus_and_nobody_is_refused() -> None:
+    honest = cohort(5)
+    vectors = [*honest, *(-v for v in cohort(5, seed=1))]
+    assert cohort_outliers([update(v) for v in vectors]).refused == {}
+
+
+def digits(
+    rounds: int,
+    partition: str = "iid",
+    alpha: float = 0.5,
+    clients: int = 10,
+    limit: int | None = None,
+    **run: object,
+):
+    from nestling.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "run": {"rounds": rounds, "seed": 0, "workers": 1, "eval_every": 0, "quorum": 0.6, **run},
+            "data": {
+                "dataset": "digits",
+                "clients": clients,
+                "partition": partition,
+                "alpha": alpha,
+                "limit_train": limit,
+                "limit_test": 50,
+            },
+            "model": {"arch": "tinycnn"},
+            "method": {"name": "fedavg"},
+            "train": {"fraction": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9},
+        }
+    )
+
+
+def counters(out) -> dict[str, int]:
+    import json
+
+    total: dict[str, int] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        for key, value in json.loads(line)["counters"].items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.5])
+def test_honest_dirichlet_fleets_trained_for_real_refuse_nothing(alpha: float, tmp_path) -> None:
+    """Skewed honest boards spread their cosines out; the cut must stay below every one of them."""
+    from nestling.simulator.run import run_simulation
+
+    run_simulation(digits(3, "dirichlet", alpha, limit=800), tmp_path / "run")
+    assert not any(key.startswith("rejected_") for key in counters(tmp_path / "run"))
+
+
+def test_an_honest_run_is_bit_identical_with_the_cohort_screen_on_and_a_sign_flip_is_refused(
+    tmp_path,
+) -> None:
+    from benchmarks.robustness import ATTACKS
+    from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
+    from nestling.simulator.run import run_simulation
+
+    def final(out):
+        path = latest_checkpoint(out / "checkpoints")
+        assert path is not None
+        return load_checkpoint(path)[0]
+
+    run_simulation(digits(2, clients=6, limit=400, cohort_screen=True), tmp_path / "on")
+    run_simulation(digits(2, clients=6, limit=400, cohort_screen=False), tmp_path / "off")
+    on, off = final(tmp_path / "on"), final(tmp_path / "off")
+    assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
+    run_simulation(digits(2, clients=6, limit=400), tmp_path / "flip", tamper=ATTACKS["sign_flipped"].tamper)
+    assert counters(tmp_path / "flip").get("rejected_update_cohort") == 2
