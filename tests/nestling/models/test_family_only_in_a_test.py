@@ -96,7 +96,7 @@ class MobileNetTest(ModelFamily):
                 channels, size = width, out
         return tuple(infos)
 
-    def build_parts(self, spec, ctx, infos, kept, depth):  # type: ignore[no-untyped-def]
+    def build_parts(self, spec, ctx, infos, kept, depth):
         blocks: list[nn.Module] = [
             InvertedResidual(ctx, i, skipped=i.index not in kept) for i in infos[:depth]
         ]
