@@ -1,7 +1,7 @@
 """Per-part parameters, MACs and saved-activation bytes of a submodel, derived by running the model itself.
 
-The submodel is built under a FakeTensorMode on the CPU: tensors carry shapes, dtypes and storages but no
-data, every op runs its meta kernel, and the CPU's kernel choices still hold (scaled-dot-product attention
+The submodel is built on the meta device and its tensors made FakeTensors on the CPU: they carry shapes,
+dtypes and storages but no data, every op runs its meta kernel, and the CPU's kernel choices still hold (scaled-dot-product attention
 takes the CPU flash path, which keeps q, k, v, its output and the log-sum-exp, where a plain meta tensor would
 take the math path and keep the attention matrix). Its training forward and loss run once per probe batch
 with forward pre-hooks labelling the part that runs, `saved_tensors_hooks` recording what autograd keeps
@@ -15,6 +15,7 @@ batches (none of the registered families needs it).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
@@ -129,12 +131,19 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     return storage._cdata, storage.nbytes()
 
 
+class _Running:
+    """The part whose forward (or loss) runs now: forward pre-hooks move it along."""
+
+    def __init__(self) -> None:
+        self.label = "input"
+
+
 class _MacCounter(TorchDispatchMode):
     """Multiply-accumulates of every op with a known cost rule, charged to the running part."""
 
-    def __init__(self) -> None:
+    def __init__(self, running: _Running) -> None:
         super().__init__()
-        self.label = "input"
+        self.running = running
         self.macs: dict[str, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -143,44 +152,46 @@ class _MacCounter(TorchDispatchMode):
         rule = _MAC_RULES.get(func._overloadpacket)
         if rule is not None:
             flops = int(rule(*args, **kwargs, out_val=out))
-            self.macs[self.label] = self.macs.get(self.label, 0) + flops // 2
+            label = self.running.label
+            self.macs[label] = self.macs.get(label, 0) + flops // 2
         return out
 
 
 def _run(
-    net: ScalableNet, spec: SubmodelSpec, batch: int, device: str
+    net: ScalableNet, spec: SubmodelSpec, batch: int, *, count_macs: bool
 ) -> tuple[dict[str, dict[int, int]], dict[str, int]]:
-    """One training forward and loss at `batch`: storages saved per part, and MACs per part."""
+    """One training forward and loss at `batch`: storages saved per part, and (when asked) MACs per part."""
     excluded = {_storage(t)[0] for t in [*net.parameters(), *net.buffers()]}
     saved: dict[str, dict[int, int]] = {}
     alive: list[torch.Tensor] = []  # storages stay allocated, so no identity is reused during the pass
-    counter = _MacCounter()
+    running = _Running()
+    counter = _MacCounter(running) if count_macs else contextlib.nullcontext()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key, nbytes = _storage(tensor)
         if key not in excluded:
-            saved.setdefault(counter.label, {})[key] = nbytes
+            saved.setdefault(running.label, {})[key] = nbytes
         alive.append(tensor)
         return tensor
 
     def enter(name: str) -> Callable[..., None]:
-        return lambda _module, _inputs: setattr(counter, "label", name)
+        return lambda _module, _inputs: setattr(running, "label", name)
 
     handles = [module.register_forward_pre_hook(enter(name)) for name, _, _, module in model_parts(net)]
     model = spec.model
     try:
-        x = torch.zeros(batch, model.in_channels, model.image_size, model.image_size, device=device)
-        y = torch.zeros(batch, dtype=torch.long, device=device)
+        x = torch.zeros(batch, model.in_channels, model.image_size, model.image_size)
+        y = torch.zeros(batch, dtype=torch.long)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
             outputs = net.forward_all(x)
             labels = [f"exit{k}" for k in net.exits] + (["head"] if net.head is not None else [])
             for label, logits in zip(labels, outputs):
-                counter.label = label  # each output's loss is charged to the part that produced it
+                running.label = label  # each output's loss is charged to the part that produced it
                 F.cross_entropy(logits, y)
     finally:
         for handle in handles:
             handle.remove()
-    return saved, counter.macs
+    return saved, counter.macs if isinstance(counter, _MacCounter) else {}
 
 
 def producers(parts: list[tuple[str, str, int | None, nn.Module]]) -> dict[str, str]:
@@ -240,24 +251,33 @@ def _quiet_rng() -> Iterator[None]:
         yield
 
 
+def _fake_cpu(net: ScalableNet, mode: FakeTensorMode) -> ScalableNet:
+    """`net` (built on the meta device, which is fast) with every parameter and buffer a data-less CPU tensor."""
+    cpu = torch.device("cpu")
+    for module in net.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                fake = FakeTensor(mode, param.data, cpu)
+                module._parameters[name] = nn.Parameter(fake, requires_grad=param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = FakeTensor(mode, buffer, cpu)
+    return net
+
+
 def _trace_on(spec: SubmodelSpec, fake: bool) -> Trace:
     mode = FakeTensorMode() if fake else None
     with _quiet_rng():
-        if mode is not None:
-            with mode:
-                net = build(spec, init=False)
-        else:
-            net = build(spec)
+        net = _fake_cpu(build(spec, device="meta", init=False), mode) if mode is not None else build(spec)
         net.train()
         runs, macs = [], {}
         for batch in PROBES:
-            if mode is not None:
-                with mode:
-                    saved, counted = _run(net, spec, batch, "cpu")
-            else:
-                saved, counted = _run(net, spec, batch, "cpu")
+            last = batch == PROBES[-1]
+            with mode if mode is not None else contextlib.nullcontext():
+                saved, counted = _run(net, spec, batch, count_macs=last)
             runs.append(saved)
-            macs = counted
+            if last:
+                macs = counted
     parts = tuple(PartTrace(**vars(p), macs=macs.get(p.name, 0) // PROBES[-1]) for p in _part_params(net))
     names = model_parts(net)
     return Trace(
