@@ -16,6 +16,7 @@ batches (none of the registered families needs it).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -157,41 +158,149 @@ class _MacCounter(TorchDispatchMode):
         return out
 
 
-def _run(
-    net: ScalableNet, spec: SubmodelSpec, batch: int, *, count_macs: bool
-) -> tuple[dict[str, dict[int, int]], dict[str, int]]:
-    """One training forward and loss at `batch`: storages saved per part, and (when asked) MACs per part."""
-    excluded = {_storage(t)[0] for t in [*net.parameters(), *net.buffers()]}
-    saved: dict[str, dict[int, int]] = {}
-    alive: list[torch.Tensor] = []  # storages stay allocated, so no identity is reused during the pass
-    running = _Running()
-    counter = _MacCounter(running) if count_macs else contextlib.nullcontext()
+@dataclass(frozen=True)
+class _PartRun:
+    """What one part keeps when it runs alone on an input of one shape (its loss included for an output)."""
+
+    internal: int  # bytes of saved storages that are neither the input's, the output's nor the labels'
+    saves_input: bool
+    saves_output: bool  # the output's own storage (not the input's) is kept by this part
+    output_is_input: bool  # the part returned its input's storage (an identity, or a view of it)
+    labels: int  # bytes of the int64 labels its loss keeps (one tensor shared by every output's loss)
+    macs: int
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+    out_bytes: int
+
+
+_PART_RUNS: dict[tuple[Any, ...], _PartRun] = {}
+_MAX_PART_RUNS = 50_000
+
+
+def _signature(module: nn.Module) -> tuple[Any, ...]:
+    """What decides a part's forward: every submodule's type, plain attributes, mode and tensor shapes."""
+    items: list[Any] = []
+    for name, sub in module.named_modules():
+        attrs = []
+        for key, value in vars(sub).items():
+            if key.startswith("_"):
+                continue
+            try:
+                hash(value)
+            except TypeError:
+                value = repr(value)
+            attrs.append((key, value))
+        tensors = tuple(
+            (key, tuple(t.shape), t.dtype, t.requires_grad)
+            for key, t in [*sub._parameters.items(), *sub._buffers.items()]
+            if t is not None
+        )
+        items.append((name, type(sub), tuple(attrs), tensors))
+    return tuple(items)
+
+
+def _run_part(
+    module: nn.Module,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    grad: bool,
+    loss: bool,
+    mode: FakeTensorMode | None,
+) -> _PartRun:
+    """Run `module` alone on a fresh input: what autograd keeps, by storage, and its MACs."""
+    excluded = {_storage(t)[0] for t in [*module.parameters(), *module.buffers()]}
+    saved: dict[int, int] = {}
+    alive: list[torch.Tensor] = []  # storages stay allocated, so no identity is reused during the run
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key, nbytes = _storage(tensor)
         if key not in excluded:
-            saved.setdefault(running.label, {})[key] = nbytes
+            saved[key] = nbytes
         alive.append(tensor)
         return tensor
 
-    def enter(name: str) -> Callable[..., None]:
-        return lambda _module, _inputs: setattr(running, "label", name)
-
-    handles = [module.register_forward_pre_hook(enter(name)) for name, _, _, module in model_parts(net)]
-    model = spec.model
-    try:
-        x = torch.zeros(batch, model.in_channels, model.image_size, model.image_size)
-        y = torch.zeros(batch, dtype=torch.long)
+    counter = _MacCounter(_Running())
+    with mode if mode is not None else contextlib.nullcontext():
+        x = torch.zeros(shape, dtype=dtype, requires_grad=grad)
+        y = torch.zeros(shape[0], dtype=torch.long)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
-            outputs = net.forward_all(x)
-            labels = [f"exit{k}" for k in net.exits] + (["head"] if net.head is not None else [])
-            for label, logits in zip(labels, outputs):
-                running.label = label  # each output's loss is charged to the part that produced it
-                F.cross_entropy(logits, y)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return saved, counter.macs if isinstance(counter, _MacCounter) else {}
+            out = module(x)
+            if loss:
+                F.cross_entropy(out, y)
+    x_key, _ = _storage(x)
+    out_key, out_bytes = _storage(out)
+    y_key, y_bytes = _storage(y)
+    special = {x_key, out_key, y_key}
+    return _PartRun(
+        internal=sum(size for key, size in saved.items() if key not in special),
+        saves_input=x_key in saved,
+        saves_output=out_key != x_key and out_key in saved,
+        output_is_input=out_key == x_key,
+        labels=y_bytes if y_key in saved else 0,
+        macs=counter.macs.get("input", 0),
+        out_shape=tuple(out.shape),
+        out_dtype=out.dtype,
+        out_bytes=out_bytes,
+    )
+
+
+def _part_run(
+    module: nn.Module,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    grad: bool,
+    loss: bool,
+    mode: FakeTensorMode | None,
+) -> _PartRun:
+    """`_run_part`, cached by the part's signature: alike blocks of one model, or of two specs, run once."""
+    key = (_signature(module), shape, dtype, grad, loss, mode is None)
+    run = _PART_RUNS.get(key)
+    if run is None:
+        if mode is not None:
+            _fake_cpu(module, mode)
+        run = _run_part(module, shape, dtype, grad, loss, mode)
+        if len(_PART_RUNS) >= _MAX_PART_RUNS:
+            _PART_RUNS.clear()
+        _PART_RUNS[key] = run
+    return run
+
+
+def _chain(
+    net: ScalableNet, spec: SubmodelSpec, batch: int, mode: FakeTensorMode | None
+) -> tuple[dict[str, int], dict[tuple[str, str], int], int, dict[str, int]]:
+    """The submodel at `batch`, part after part: bytes per part, bytes shared with its producer, total; MACs."""
+    model = spec.model
+    shape: tuple[int, ...] = (batch, model.in_channels, model.image_size, model.image_size)
+    dtype, grad = torch.float32, False
+    tensor = 0  # the connecting tensor between parts, by id; sizes holds its storage's bytes
+    sizes: dict[int, int] = {tensor: 4 * math.prod(shape)}
+    savers: dict[int, set[str]] = {}
+    parts: dict[str, int] = {}
+    internal = labels = 0
+    macs: dict[str, int] = {}
+    for name, kind, _, module in model_parts(net):
+        run = _part_run(module, shape, dtype, grad, kind in ("exit", "head"), mode)
+        out = tensor if run.output_is_input else len(sizes)
+        sizes.setdefault(out, run.out_bytes)
+        mine = run.internal + run.labels
+        if run.saves_input:
+            savers.setdefault(tensor, set()).add(name)
+            mine += sizes[tensor]
+        if run.saves_output:
+            savers.setdefault(out, set()).add(name)
+            mine += sizes[out]
+        parts[name] = mine
+        internal += run.internal
+        labels = max(labels, run.labels)
+        macs[name] = run.macs
+        if kind in ("stem", "block"):
+            grad = grad or any(p.requires_grad for p in module.parameters())
+            tensor, shape, dtype = out, run.out_shape, run.out_dtype
+    shared: dict[tuple[str, str], int] = {}
+    for name, source in producers(model_parts(net)).items():
+        shared[(source, name)] = sum(sizes[t] for t, who in savers.items() if name in who and source in who)
+    total = internal + labels + sum(sizes[t] for t in savers)
+    return parts, shared, total, macs
 
 
 def producers(parts: list[tuple[str, str, int | None, nn.Module]]) -> dict[str, str]:
@@ -204,22 +313,6 @@ def producers(parts: list[tuple[str, str, int | None, nn.Module]]) -> dict[str, 
         if kind in ("stem", "block"):
             last = name
     return out
-
-
-def _saved(runs: list[dict[str, dict[int, int]]], names: list[str], feeds: dict[str, str]) -> Saved:
-    parts, shared, total = [], [], []
-    for saved in runs:
-        parts.append({name: sum(saved.get(name, {}).values()) for name in names})
-        pairs: dict[tuple[str, str], int] = {}
-        for name, source in feeds.items():
-            mine, theirs = saved.get(name, {}), saved.get(source, {})
-            pairs[(source, name)] = sum(size for key, size in mine.items() if key in theirs)
-        shared.append(pairs)
-        unique: dict[int, int] = {}
-        for storages in saved.values():
-            unique.update(storages)
-        total.append(sum(unique.values()))
-    return Saved((parts[0], parts[1]), (shared[0], shared[1]), (total[0], total[1]))
 
 
 def _part_params(net: ScalableNet) -> list[PartParams]:
@@ -251,38 +344,29 @@ def _quiet_rng() -> Iterator[None]:
         yield
 
 
-def _fake_cpu(net: ScalableNet, mode: FakeTensorMode) -> ScalableNet:
-    """`net` (built on the meta device, which is fast) with every parameter and buffer a data-less CPU tensor."""
+def _fake_cpu(part: nn.Module, mode: FakeTensorMode) -> None:
+    """`part` (built on the meta device, which is fast) with every parameter and buffer a data-less CPU tensor."""
     cpu = torch.device("cpu")
-    for module in net.modules():
+    for module in part.modules():
         for name, param in list(module._parameters.items()):
-            if param is not None:
+            if param is not None and param.device.type == "meta":
                 fake = FakeTensor(mode, param.data, cpu)
                 module._parameters[name] = nn.Parameter(fake, requires_grad=param.requires_grad)
         for name, buffer in list(module._buffers.items()):
-            if buffer is not None:
+            if buffer is not None and buffer.device.type == "meta":
                 module._buffers[name] = FakeTensor(mode, buffer, cpu)
-    return net
 
 
 def _trace_on(spec: SubmodelSpec, fake: bool) -> Trace:
     mode = FakeTensorMode() if fake else None
     with _quiet_rng():
-        net = _fake_cpu(build(spec, device="meta", init=False), mode) if mode is not None else build(spec)
+        net = build(spec, device="meta" if fake else None, init=not fake)
         net.train()
-        runs, macs = [], {}
-        for batch in PROBES:
-            last = batch == PROBES[-1]
-            with mode if mode is not None else contextlib.nullcontext():
-                saved, counted = _run(net, spec, batch, count_macs=last)
-            runs.append(saved)
-            if last:
-                macs = counted
-    parts = tuple(PartTrace(**vars(p), macs=macs.get(p.name, 0) // PROBES[-1]) for p in _part_params(net))
-    names = model_parts(net)
-    return Trace(
-        spec, parts, _saved(runs, [n for n, _, _, _ in names], producers(names)), None if fake else "real"
-    )
+        low, high = (_chain(net, spec, batch, mode) for batch in PROBES)
+    params = _part_params(net)
+    parts = tuple(PartTrace(**vars(p), macs=high[3].get(p.name, 0) // PROBES[-1]) for p in params)
+    saved = Saved((low[0], high[0]), (low[1], high[1]), (low[2], high[2]))
+    return Trace(spec, parts, saved, None if fake else "real")
 
 
 @lru_cache(maxsize=4096)
