@@ -1,16 +1,21 @@
 """Per-part parameters, MACs and saved-activation bytes of a submodel, derived by running the model itself.
 
-The submodel is built on the meta device and its tensors made FakeTensors on the CPU: they carry shapes,
-dtypes and storages but no data, every op runs its meta kernel, and the CPU's kernel choices still hold (scaled-dot-product attention
-takes the CPU flash path, which keeps q, k, v, its output and the log-sum-exp, where a plain meta tensor would
-take the math path and keep the attention matrix). Its training forward and loss run once per probe batch
-with forward pre-hooks labelling the part that runs, `saved_tensors_hooks` recording what autograd keeps
-(once per storage: views of one buffer count once, a storage kept by two parts is listed under both) and a
-dispatch mode counting multiply-accumulates of every op torch's flop counter knows. Nothing runs backward.
+The submodel is built on the meta device and a part's tensors are made FakeTensors on the CPU when it runs: they
+carry shapes, dtypes and storages but no data, every op runs its meta kernel, and the CPU's kernel choices still
+hold (scaled-dot-product attention takes the CPU flash path, which keeps q, k, v, its output and the log-sum-exp,
+where a plain meta tensor would take the math path and keep the attention matrix). Each part (stem, block i,
+exit i with its loss, head with its loss) runs its training forward alone on a fresh input of the shape the
+previous part emitted, with `saved_tensors_hooks` recording what autograd keeps by storage (views of one buffer
+count once) and a dispatch mode counting multiply-accumulates of every op torch's flop counter knows. Nothing
+runs backward. The chain then adds the parts up as one forward keeps them: the tensor between two parts is one
+storage (kept by a block's last ReLU and by the next block's first conv: counted once in the total, listed under
+both parts), and the int64 labels every output's loss keeps are one tensor.
 
-Saved bytes are affine in the batch (per-sample activations plus fixed BN statistics and loss scalars), so two
-probe batches give every batch exactly. An op with no meta kernel falls back to a real run on two tiny CPU
-batches (none of the registered families needs it).
+A part's run is cached by its module tree's signature (types, plain attributes, tensor shapes) and its input,
+so alike blocks of one model, and the same block of two specs, run once. Saved bytes are affine in the batch
+(per-sample activations plus fixed BN statistics and loss scalars), so two probe batches give every batch
+exactly. An op with no meta kernel makes the trace run on real CPU tensors at the probe batches instead (none
+of the registered families needs it).
 """
 
 from __future__ import annotations
@@ -219,7 +224,9 @@ def _run_part(
         alive.append(tensor)
         return tensor
 
-    counter = _MacCounter(_Running())
+    counter = (
+        _MacCounter(_Running()) if shape[0] == PROBES[-1] else contextlib.nullcontext()
+    )  # MACs at one probe
     with mode if mode is not None else contextlib.nullcontext():
         x = torch.zeros(shape, dtype=dtype, requires_grad=grad)
         y = torch.zeros(shape[0], dtype=torch.long)
@@ -237,7 +244,7 @@ def _run_part(
         saves_output=out_key != x_key and out_key in saved,
         output_is_input=out_key == x_key,
         labels=y_bytes if y_key in saved else 0,
-        macs=counter.macs.get("input", 0),
+        macs=counter.macs.get("input", 0) if isinstance(counter, _MacCounter) else 0,
         out_shape=tuple(out.shape),
         out_dtype=out.dtype,
         out_bytes=out_bytes,
