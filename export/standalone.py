@@ -4,10 +4,20 @@ What the exported graph holds (docs/export.md): only the submodel's physically s
 NeFL step size folded into the normalisation before it (s·BN(x) = BN with γ·s, β·s) and that BN folded
 into its convolution; ScaleFL's Scaler constant folded into the next BN; skipped blocks reduced to their
 projection shortcut or removed; blocks after the last requested output removed.
+
+A family gets its standalone form without writing export code: `plain_copy` (the default of
+`ModelFamily.standalone_part`) freezes a copy of each part and rewrites what the kernel inserted over its module
+tree — slim convolutions, linears and norms become plain layers holding their kept channels (a BN its inference
+statistics), a Scaler its eval-mode constant, and every conv → [Scaler] → BN run inside an `nn.Sequential` one
+folded convolution. The part's own forward still runs, so a skipped block keeps its projection shortcut and step
+sizes stay constant multiplications. A family overrides `standalone_part` only to fold further (the ResNet and
+ViT families fold BN and step sizes into their convolutions and projections everywhere, which channel alignment
+for TensorRT needs).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +30,7 @@ from nestling.export.fold import (
     ChannelAffine,
     bn_affine,
     fold_conv,
+    inference_stats,
     plain_linear,
     scale_affine,
     scaler_factor,
@@ -34,7 +45,7 @@ from nestling.export.plain_layers import (
     TokenHead,
 )
 from nestling.models.family import family_of
-from nestling.models.layers import Scaler
+from nestling.models.layers import Scaler, SlimBatchNorm2d, SlimConv2d, SlimLayerNorm, SlimLinear
 from nestling.models.net import ScalableNet
 
 HEAD = "head"
@@ -123,7 +134,7 @@ def fold_chain(modules: list[nn.Module]) -> list[nn.Module]:
             if j < len(modules) and isinstance(modules[j], Scaler):
                 factor, j = scaler_factor(modules[j]), j + 1
             if j < len(modules) and isinstance(modules[j], nn.BatchNorm2d):
-                out.append(fold_conv(module, post=bn_affine(modules[j], factor)))  # type: ignore[arg-type]
+                out.append(fold_conv(module, post=bn_affine(modules[j], factor)))
                 j += 1
             else:
                 out.append(
@@ -158,10 +169,101 @@ def pre_activation(bn: nn.BatchNorm2d, input_scale: float = 1.0) -> nn.Sequentia
     return nn.Sequential(ChannelAffine(bn_affine(bn, input_scale)), nn.ReLU())
 
 
+class Scale(nn.Module):
+    """y = factor·x: a Scaler's eval-mode constant where no BN follows it inside one Sequential."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = float(factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def plain_batch_norm(bn: nn.BatchNorm2d) -> nn.BatchNorm2d:
+    """A plain eval BatchNorm2d over the kept channels with the statistics `bn` normalises with in eval mode."""
+    mean, var = inference_stats(bn)
+    n = mean.numel()
+    out = nn.BatchNorm2d(n, eps=bn.eps, affine=bn.weight is not None)
+    assert out.running_mean is not None and out.running_var is not None
+    with torch.no_grad():
+        out.running_mean.copy_(mean.detach())
+        out.running_var.copy_(var.detach())
+        if bn.weight is not None and bn.bias is not None:
+            out.weight.copy_(bn.weight.detach()[:n])
+            out.bias.copy_(bn.bias.detach()[:n])
+    return out.eval()
+
+
+def _plain_layer(module: nn.Module) -> nn.Module | None:
+    """The plain replacement of one layer the kernel inserted, or None to keep it (and look inside)."""
+    if isinstance(module, SlimConv2d):
+        return fold_conv(module)
+    if isinstance(module, SlimLinear):
+        return plain_linear(module)
+    if isinstance(module, SlimBatchNorm2d):
+        return plain_batch_norm(module)
+    if isinstance(module, SlimLayerNorm):
+        out = nn.LayerNorm(module.normalized_shape, eps=module.eps)
+        out.load_state_dict(module.state_dict())
+        return out
+    if isinstance(module, Scaler):
+        factor = scaler_factor(module)
+        return nn.Identity() if factor == 1.0 else Scale(factor)
+    return None
+
+
+def _make_plain(module: nn.Module) -> None:
+    for name, child in list(module.named_children()):
+        plain = _plain_layer(child)
+        if plain is None:
+            _make_plain(child)
+        else:
+            setattr(module, name, plain)
+    if isinstance(module, nn.Sequential):
+        _fold_sequential(module)
+
+
+def _fold_sequential(chain: nn.Sequential) -> None:
+    """Fold every conv → [Scale] → BN run of `chain` into its convolution, in place; the Scale and the BN
+    become identities, so indices a forward may use stay valid."""
+    layers = list(chain)
+    i = 0
+    while i < len(layers):
+        j, factor = i + 1, 1.0
+        if type(layers[i]) is nn.Conv2d:
+            while j < len(layers) and isinstance(layers[j], (Scale, nn.Identity)):
+                between = layers[j]
+                factor *= between.factor if isinstance(between, Scale) else 1.0
+                j += 1
+            conv, bn = layers[i], layers[j] if j < len(layers) else None
+            if isinstance(conv, nn.Conv2d) and type(bn) is nn.BatchNorm2d:
+                chain[i] = fold_conv(conv, post=bn_affine(bn, factor))
+                for k in range(i + 1, j + 1):
+                    chain[k] = nn.Identity()
+                i = j
+        i += 1
+
+
+@torch.no_grad()
+def plain_copy(part: nn.Module) -> nn.Module:
+    """The derived standalone form of any part: a frozen eval copy with the kernel's layers made plain."""
+    frozen = copy.deepcopy(part).eval()
+    plain = _plain_layer(frozen)
+    if plain is not None:
+        frozen = plain
+    else:
+        _make_plain(frozen)
+    for parameter in frozen.parameters():
+        parameter.requires_grad_(False)
+    return frozen.eval()
+
+
 @dataclass(frozen=True)
 class StandaloneKit:
     """What a model family's `standalone_part` converts with (the kernel cannot import export itself)."""
 
+    plain_copy: Callable[[nn.Module], nn.Module] = plain_copy
     fold_chain: Callable[[list[nn.Module]], list[nn.Module]] = fold_chain
     fold_conv: Callable[..., nn.Conv2d] = fold_conv
     bn_affine: Callable[..., tuple[torch.Tensor, torch.Tensor]] = bn_affine

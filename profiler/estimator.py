@@ -1,10 +1,9 @@
-"""Analytic per-part parameters, MACs, saved-activation bytes and training memory of any submodel, from shapes.
+"""Per-part parameters, MACs, saved-activation bytes and training memory of any submodel, without data.
 
-No tensor is allocated: a symbolic walk mirrors the zoo's forward passes op by op and applies the
-rule autograd follows for each op (what it keeps for backward: a conv its input, a BN its input and
-two statistics vectors, a ReLU its output, max-pool its input and int64 indices, ...). Saved tensors
-are tracked by identity, so a tensor kept by two ops counts once, exactly as the measured profile
-counts storages (profiler/measure.py). Microseconds per spec: planners can sweep thousands.
+The figures come from running the submodel itself on data-less tensors (profiler/trace.py): what autograd
+keeps for backward is recorded by storage, exactly as the measured profile counts it (profiler/measure.py),
+so a storage kept by two ops or two parts counts once. A spec is traced once (about a tenth of a second);
+every batch and every later call is arithmetic on the cached trace.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 from nestling.errors import ConfigError
-from nestling.profiler.walk import Walk
+from nestling.profiler.trace import trace
 from nestling.spec import SubmodelSpec
 
 FLOAT = 4
@@ -126,12 +125,11 @@ def estimate(spec: SubmodelSpec, batch: int = 32, *, momentum: bool = True) -> M
     """Estimate training `spec` at `batch` with SGD (momentum buffers when `momentum`)."""
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
-    walk = Walk(spec, batch)
-    walk.run()
+    traced = trace(spec)
     parts = []
     source: str | None = None
-    for r in walk.records:
-        shared = walk.shared_bytes(source, r.name) if source else 0
+    for r in traced.parts:
+        shared = traced.shared_bytes(source, r.name, batch) if source else 0
         parts.append(
             PartCost(
                 r.name,
@@ -141,14 +139,14 @@ def estimate(spec: SubmodelSpec, batch: int = 32, *, momentum: bool = True) -> M
                 r.trainable,
                 r.param_bytes,
                 r.macs,
-                walk.part_bytes(r.name),
+                traced.part_bytes(r.name, batch),
                 momentum,
                 shared,
             )
         )
         if r.kind in ("stem", "block"):
             source = r.name  # exits and the head do not feed later parts
-    return ModelCost(spec, batch, tuple(parts), walk.total_bytes())
+    return ModelCost(spec, batch, tuple(parts), traced.total_bytes(batch))
 
 
 def training_memory(spec: SubmodelSpec, batch: int = 32, *, momentum: bool = True) -> int:

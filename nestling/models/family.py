@@ -1,19 +1,18 @@
 """A model family: one registered object that knows everything about one architecture's structure.
 
-Each family builds any of its submodels from a SubmodelSpec, lists its blocks, walks its forward
-symbolically for the profiler's estimator, converts a trained submodel's parts to export's plain
-layers, and answers the questions methods ask (NeFL presets, FeDepth stages, client grouping). The
-consumers (zoo, profiler, export, simulator, strategies) ask the registry, so adding an architecture
-is one module that calls `register_family` (docs/extending.md).
+Each family builds any of its submodels from a SubmodelSpec, lists its blocks and answers the questions
+methods ask (NeFL presets, FeDepth stages, client grouping). A family is its modules: the profiler derives
+parameters, MACs and saved activations by running the built submodel on data-less tensors
+(nestling/profiler/trace.py), and export derives the inference form by rewriting its module tree
+(nestling/export/standalone.py `plain_copy`). The consumers (zoo, profiler, export, simulator, strategies) ask
+the registry, so adding an architecture is one module that calls `register_family` (docs/extending.md).
 
-The kernel may not import the profiler or export, so those hand their tools in: `walk(w)` receives the
-profiler's `Walk` (its ops: conv, bn, relu, linear, ...), `standalone_part(part, kit)` receives export's
-folding kit (nestling.export.standalone.KIT).
+The kernel may not import export, so export hands its folding kit in: `standalone_part(part, kit)` receives
+nestling.export.standalone.KIT.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,7 +26,6 @@ from nestling.models.net import BlockInfo, ScalableNet
 if TYPE_CHECKING:  # nestling.spec imports nestling.models: a runtime import here would be circular
     from nestling.spec import SubmodelSpec
 
-Walker = Any  # nestling.profiler.walk.Walk (the kernel does not import the profiler)
 ExportKit = Any  # nestling.export.standalone.KIT (the kernel does not import export)
 NeflPreset = list[tuple[float, tuple[int, ...] | None]]  # (parameter fraction γ, kept blocks or None = all)
 
@@ -53,10 +51,9 @@ class GrowthCells:
 class ModelFamily:
     """The interface every architecture implements; subclasses override what their structure needs.
 
-    `build_parts` and `block_infos` are required. `walk` is required for the profiler's estimator
-    (tests/nestling/models/test_families.py holds every registered family's walk to its real module:
-    parameters, MACs and saved activation bytes equal). `standalone_part` defaults to a frozen copy of the
-    part, right for parts built of plain layers.
+    `build_parts` and `block_infos` are required; nothing else is. The profiler's costs come from running the
+    built modules, and `standalone_part` defaults to export's derived form of the part (a frozen copy with the
+    kernel's slim layers, Scalers and BN made plain and folded), which keeps whatever the part's forward runs.
     """
 
     name: str = ""
@@ -96,18 +93,11 @@ class ModelFamily:
         stem, blocks, exits, head = self.build_parts(spec, ctx, infos, kept, depth)
         return ScalableNet(stem, blocks, exits, head, infos, spec.model.arch)
 
-    # -- profiler ------------------------------------------------------------------------------
-    def walk(self, w: Walker) -> None:
-        """Run `w.spec`'s training forward symbolically through the profiler's walk `w`."""
-        raise ConfigError(f"[model] the estimator does not know model '{self.name}' (its family has no walk)")
-
     # -- export --------------------------------------------------------------------------------
     def standalone_part(self, part: nn.Module, kit: ExportKit) -> nn.Module | None:
-        """The inference-only equivalent of a stem, block or head; None for a block that is an identity."""
-        if getattr(part, "skipped", False):
-            return None
-        frozen = copy.deepcopy(part).eval()
-        return frozen
+        """The inference-only equivalent of a stem, block or head; an override may return None for a block that
+        is an identity in inference (the default never does: a skipped block may still hold a projection)."""
+        return kit.plain_copy(part)
 
     # -- method questions ----------------------------------------------------------------------
     def block_hidden(self, image_size: int, extra: dict[str, Any]) -> tuple[int, ...]:

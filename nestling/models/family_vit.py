@@ -16,7 +16,7 @@ from torch import nn
 from nestling.errors import ConfigError, SpecError
 from nestling.models.blocks import EncoderBlock
 from nestling.models.context import BuildContext
-from nestling.models.family import ExportKit, GrowthCells, ModelFamily, Walker, register_family
+from nestling.models.family import ExportKit, GrowthCells, ModelFamily, register_family
 from nestling.models.heads import TokenClassifier
 from nestling.models.net import BlockInfo
 
@@ -107,29 +107,6 @@ class VitFamily(ModelFamily):
         head = TokenClassifier(ctx, cfg["dim"]) if spec.head else None
         return stem, blocks, exits, head
 
-    def walk(self, w: Walker) -> None:
-        model, spec = w.model, w.spec
-        cfg = self.config(model.extra)
-        kept, depth = w.kept(self.block_infos(model.image_size, model.extra))
-        mlp = self.block_hidden(model.image_size, model.extra)
-        size, patch = model.image_size, cfg["patch"]
-        w.begin("stem", "stem")
-        dim = w.ch(cfg["dim"])
-        x = w.conv(w.new((model.in_channels, size, size)), dim, patch, patch, bias=True, padding=0)
-        tokens = x.shape[1] * x.shape[2] + 1
-        w.params(dim + tokens * dim)  # class token, learned positions
-        x = w.new((tokens, dim))
-        for index in range(depth):
-            w.begin(f"block{index}", "block", index)
-            if index in kept:
-                x = _walk_encoder(w, x, cfg, mlp[index], hidden=w.hidden(index))
-            if index in spec.exits:
-                w.begin(f"exit{index}", "exit", index)
-                w.loss(_walk_token_head(w, x))
-        if spec.head:
-            w.begin("head", "head")
-            w.loss(_walk_token_head(w, x))
-
     def standalone_part(self, part: nn.Module, kit: ExportKit) -> nn.Module | None:
         if isinstance(part, PatchStem):
             return kit.PatchEmbed(kit.fold_conv(part.proj), part.cls_token, part.pos_embed)
@@ -152,28 +129,3 @@ class VitFamily(ModelFamily):
             zeroed=("proj.weight", "proj.bias", "fc2.weight", "fc2.bias"),
             inserted_hidden=(self.config(extra)["mlp_dim"],),
         )
-
-
-def _walk_encoder(w: Walker, x: Any, cfg: dict[str, int], global_mlp: int, *, hidden: float | None) -> Any:
-    """Pre-norm ViT block with step sizes; attention keeps q, k, v, its output and log-sum-exp (CPU kernel)."""
-    tokens, _ = x.shape
-    ratio = w.spec.width if hidden is None else hidden
-    heads = w.ch(cfg["heads"], ratio)
-    inner = heads * (cfg["dim"] // cfg["heads"])
-    mlp = w.ch(global_mlp, ratio)
-    dim = x.shape[1]
-    h = w.layer_norm(x)
-    q, k, v = (w.linear(h, inner) for _ in range(3))
-    attended = w.new((tokens, inner))
-    w.save(q, k, v, attended, w.new((heads, tokens)))
-    w.cur.macs += 2 * tokens * tokens * inner
-    x = w.fresh(w.step(w.linear(attended, dim)))
-    hidden_units = w.linear(w.layer_norm(x), mlp)
-    w.save(hidden_units)  # GELU keeps its input; fc2 then keeps GELU's output
-    return w.fresh(w.step(w.linear(w.fresh(hidden_units), dim)))
-
-
-def _walk_token_head(w: Walker, x: Any) -> Any:
-    """LayerNorm → class token → linear; the linear keeps a view of the whole normalised sequence."""
-    normed = w.layer_norm(x)
-    return w.linear(w.new((x.shape[1],)), w.model.num_classes, saved=normed)

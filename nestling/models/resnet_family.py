@@ -1,7 +1,7 @@
 """The ResNet-like families (CIFAR ResNets, PreResNet, ResNet-18/34, the tiny CNN): one class, many instances.
 
-Everything about their structure lives here: the stem, the block and exit choice, the symbolic walk the
-profiler's estimator runs, and the conversion to export's folded plain layers.
+Everything about their structure lives here: the stem, the block and exit choice. The profiler derives their
+costs by running them (profiler/trace.py) and export folds them generically (export/standalone.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from nestling.errors import ConfigError, SpecError
 from nestling.models.blocks import BasicBlock, PreActBlock
 from nestling.models.context import BuildContext
-from nestling.models.family import ExportKit, GrowthCells, ModelFamily, NeflPreset, Walker
+from nestling.models.family import ExportKit, GrowthCells, ModelFamily, NeflPreset
 from nestling.models.heads import PoolClassifier, make_exit, standalone_exit
 from nestling.models.net import BlockInfo
 
@@ -123,39 +123,6 @@ class ResNetFamily(ModelFamily):
         head = PoolClassifier(ctx, final, with_norm=self.preact) if spec.head else None
         return stem, blocks, exits, head
 
-    # -- profiler ------------------------------------------------------------------------------
-    def walk(self, w: Walker) -> None:
-        model, spec = w.model, w.spec
-        infos = self.block_infos(model.image_size, model.extra)
-        kept, depth = w.kept(infos)
-        size = model.image_size
-        x = w.new((model.in_channels, size, size))
-        w.begin("stem", "stem")
-        x = w.bn(w.scaler(w.conv(x, w.ch(self.stem_width), 3)), self.stem_width)
-        if not self.preact:
-            x = w.relu(x)
-        if self.max_pool:
-            x = w.max_pool(x)
-        final = self.stage_widths[-1]
-        global_hidden = self.block_hidden(model.image_size, model.extra)
-        for info in infos[:depth]:
-            w.begin(f"block{info.index}", "block", info.index)
-            x = _walk_block(
-                w,
-                x,
-                info,
-                skipped=info.index not in kept,
-                preact=self.preact,
-                hidden=w.hidden(info.index),
-                global_hidden=global_hidden[info.index],
-            )
-            if info.index in spec.exits:
-                w.begin(f"exit{info.index}", "exit", info.index)
-                w.loss(_walk_exit(w, x, info.global_out, final))
-        if spec.head:
-            w.begin("head", "head")
-            w.loss(_walk_pool_head(w, x, final, with_norm=self.preact))
-
     # -- export --------------------------------------------------------------------------------
     def standalone_part(self, part: nn.Module, kit: ExportKit) -> nn.Module | None:
         if isinstance(part, ConvStem):
@@ -202,76 +169,6 @@ class ResNetFamily(ModelFamily):
             zeroed=("conv2.weight",) if self.preact else ("bn2.weight", "bn2.bias"),
             inserted_hidden=tuple(self.stage_widths),
         )
-
-
-# -- the symbolic walk of blocks and heads (profiler/walk.py runs it; the test over every family holds it) --
-def _walk_block(
-    w: Walker,
-    x: Any,
-    info: BlockInfo,
-    *,
-    skipped: bool,
-    preact: bool,
-    hidden: float | None,
-    global_hidden: int,
-) -> Any:
-    """BasicBlock / PreActBlock, skipped blocks running only their shortcut."""
-    c_h, c_out = w.ch(global_hidden, hidden), w.ch(info.global_out)
-    projection = info.stride != 1 or info.global_in != info.global_out
-    if preact:
-        if skipped and not projection:
-            return x
-        h = w.relu(w.bn(w.scaler(x), info.global_in))
-        skip = w.conv(h, c_out, 1, info.stride) if projection else x
-        if skipped:
-            return skip
-        out = w.conv(h, c_h, 3, info.stride)
-        out = w.conv(w.relu(w.bn(w.scaler(out), global_hidden, hidden)), c_out, 3)
-        return w.fresh(w.step(out))
-    skip = w.bn(w.scaler(w.conv(x, c_out, 1, info.stride)), info.global_out) if projection else x
-    if skipped:
-        return w.relu(skip)
-    out = w.relu(w.bn(w.scaler(w.conv(x, c_h, 3, info.stride)), global_hidden, hidden))
-    out = w.bn(w.scaler(w.conv(out, c_out, 3)), info.global_out)
-    return w.relu(w.fresh(w.step(out)))
-
-
-def _walk_pool_head(w: Walker, x: Any, global_channels: int, *, with_norm: bool, relu: bool = True) -> Any:
-    """[BN [→ ReLU]] → global average pool → linear over every class (PoolClassifier)."""
-    if with_norm:
-        x = w.bn(w.scaler(x), global_channels)
-        if relu:
-            x = w.relu(x)
-    return w.linear(w.pool(x), w.model.num_classes)
-
-
-def _walk_sep_conv(w: Walker, x: Any, global_in: int, global_out: int, stride: int) -> Any:
-    c_in, c_out = w.ch(global_in), w.ch(global_out)
-    x = w.conv(x, c_in, 3, stride, groups=c_in)
-    x = w.relu(w.bn(w.conv(x, c_in, 1), global_in))
-    x = w.conv(x, c_in, 3, groups=c_in)
-    return w.relu(w.bn(w.conv(x, c_out, 1), global_out))
-
-
-def _walk_exit(w: Walker, x: Any, global_channels: int, final_channels: int) -> Any:
-    """The exit head of the model's exit_kind after a block emitting `global_channels` (heads.make_exit)."""
-    kind = w.model.exit_kind
-    if kind == "scalefl":
-        for _ in range(3):
-            x = w.relu(w.bn(w.scaler(w.conv(x, w.ch(global_channels), 3)), global_channels))
-        return w.linear(w.pool(x), w.model.num_classes)
-    if kind == "depthfl":
-        gate = _walk_sep_conv(w, x, global_channels, global_channels, 2)
-        c, h, wd = gate.shape
-        gate = w.relu(w.new((c, 2 * h, 2 * wd)))  # sigmoid keeps its output like a ReLU
-        w.save(x)
-        feature = w.new(x.shape)
-        channels = global_channels
-        while channels < final_channels:
-            feature = _walk_sep_conv(w, feature, channels, channels * 2, 2)
-            channels *= 2
-        return w.linear(w.pool(feature), w.model.num_classes)
-    return _walk_pool_head(w, x, global_channels, with_norm=True, relu=kind != "fedepth")
 
 
 # -- export: residual blocks folded into plain convolutions ----------------------------------------------------

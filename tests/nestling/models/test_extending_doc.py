@@ -32,6 +32,7 @@ def namespace() -> Iterator[dict[str, Any]]:
 def test_the_model_family_example_runs_and_its_family_works_everywhere(namespace: dict[str, Any]) -> None:
     blocks = re.findall(r"```python\n(.*?)```", _family_section(), flags=re.S)
     assert len(blocks) == 2
+    assert "def walk" not in blocks[0] and "def standalone_part" not in blocks[0]  # a family is its modules
     for block in blocks:
         exec(compile(block, str(GUIDE), "exec"), namespace)  # the guide's own code
     net = namespace["net"]
@@ -42,7 +43,12 @@ def test_the_model_family_example_runs_and_its_family_works_everywhere(namespace
     from nestling.models.cost import count_parameters
 
     spec = namespace["spec"]
-    assert namespace["estimate"](spec, 4).params == count_parameters(net)
+    from nestling.profiler.measure import profile_model
+
+    cost = namespace["estimate"](spec, 4)
+    assert cost.params == count_parameters(net)
+    measured = profile_model(spec, 4, repeats=1, warmup=0, rss_check=False)
+    assert cost.activation_bytes == measured["total"]["activations_bytes"]
     net.eval()
     standalone = build_standalone(net, plan_outputs(net))
     x = torch.randn(3, 1, 8, 8)

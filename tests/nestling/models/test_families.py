@@ -1,6 +1,7 @@
-"""Every registered model family, held to its own real module: the profiler's symbolic walk (parameters and
-MACs and saved activation bytes equal), export's standalone form (same outputs), block listing,
-client grouping and the NeFL presets. A new family is covered by registering it."""
+"""Every registered model family, held to its own real module: the profiler's derived costs (parameters, MACs
+and saved activation bytes equal to a real training step's), export's standalone form and the derived default
+form (same outputs), block listing, client grouping and the NeFL presets. A new family is covered by
+registering it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _specs(arch: str) -> list[SubmodelSpec]:
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_the_estimator_walk_matches_the_real_module(arch: str) -> None:
+def test_the_estimated_costs_match_a_real_training_step(arch: str) -> None:
     from nestling.profiler.estimator import estimate
     from nestling.profiler.measure import profile_model
 
@@ -53,6 +54,32 @@ def test_the_standalone_form_gives_the_same_outputs(arch: str) -> None:
             reference = net(x)
             # float32 rounding scales with the largest output: untrained deep ResNets in eval mode (BN with unit
             # statistics over dozens of residual sums) reach 1e1-1e5, where 1e-5 absolute is below an ulp.
+            scale = max(1.0, float(reference.abs().max()))
+            torch.testing.assert_close(standalone(x), reference, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_derived_default_standalone_form_gives_the_same_outputs(arch: str) -> None:
+    """export's generic form (no family code) holds for every family, skipped blocks' projections included."""
+    from nestling.export.standalone import KIT, StandaloneNet, plan_outputs
+    from nestling.models.family import ModelFamily
+
+    default = ModelFamily()
+    for spec in _specs(arch):
+        torch.manual_seed(0)
+        net = build(spec).eval()
+        plan = plan_outputs(net)
+        blocks = [default.standalone_part(b, KIT) for b in net.blocks]
+        assert all(b is not None for b in blocks)
+        head = default.standalone_part(net.head, KIT)
+        standalone = StandaloneNet(
+            default.standalone_part(net.stem, KIT), [torch.nn.Sequential(*blocks)], [head], plan
+        ).eval()
+        kinds = {type(m).__name__ for m in standalone.modules()}
+        assert not kinds & {"SlimConv2d", "SlimLinear", "SlimBatchNorm2d", "SlimLayerNorm", "Scaler"}
+        x = torch.randn(3, 3, IMAGE, IMAGE)
+        with torch.no_grad():
+            reference = net(x)
             scale = max(1.0, float(reference.abs().max()))
             torch.testing.assert_close(standalone(x), reference, rtol=1e-4, atol=1e-5 * scale)
 

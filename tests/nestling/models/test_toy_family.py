@@ -1,5 +1,5 @@
 """A model family defined only here, registered by decorator, goes through every public code path:
-build and slicing, the profiler's estimator, a simulated FedAvg and HeteroFL round, and ONNX export
+build and slicing, the profiler's estimator (no walk: costs come from running it), a simulated FedAvg and HeteroFL round, and ONNX export
 with parity. If this needs an edit outside this file, adding a family is no longer one module."""
 
 from __future__ import annotations
@@ -72,18 +72,6 @@ class ToyMlp(ModelFamily):
         blocks: list[nn.Module] = [DenseBlock(ctx, skipped=i not in kept) for i in range(depth)]
         return FlattenStem(ctx), blocks, {}, LinearHead(ctx) if spec.head else None
 
-    def walk(self, w: Any) -> None:
-        kept, depth = w.kept(self.block_infos(w.model.image_size, w.model.extra))
-        w.begin("stem", "stem")
-        x = w.relu(w.linear(w.new((w.model.in_channels * w.model.image_size**2,)), w.ch(DIM)))
-        for i in range(depth):
-            w.begin(f"block{i}", "block", i)
-            if i in kept:
-                x = w.fresh(w.relu(w.linear(x, w.ch(DIM))))
-        if w.spec.head:
-            w.begin("head", "head")
-            w.loss(w.linear(x, w.model.num_classes))
-
 
 @pytest.fixture(scope="module", autouse=True)
 def toy_family() -> Iterator[None]:
@@ -102,7 +90,7 @@ def test_the_registered_family_builds_slices_and_lists_its_blocks() -> None:
         build(SubmodelSpec(ModelConfig(NAME), blocks=()))
 
 
-def test_the_estimator_walks_it_like_the_real_module() -> None:
+def test_the_estimator_derives_its_costs_from_the_real_module() -> None:
     from nestling.profiler.estimator import estimate
     from nestling.profiler.measure import profile_model
 
