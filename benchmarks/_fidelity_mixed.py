@@ -136,7 +136,8 @@ def unmodelled(
             (row.fleet.duration_s - row.simulated.duration_s) / row.simulated.duration_s for row in same
         )
         lines.append(
-            f"broker and transport inside a round (fleet - simulated, {len(same)} rounds with the same sets): "
+            f"broker and transport inside a round beyond the replay's (fleet - simulated, {len(same)} rounds with "
+            "the same sets): "
             f"median {statistics.median(transport) * 1e3:+.0f} ms ({share:+.1%} of the round)"
         )
     if gaps:
