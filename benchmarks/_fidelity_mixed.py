@@ -21,7 +21,11 @@ the replay is run three ways (`[run] server_time`, simulator/server_time.py): `n
 between rounds; run before the fleet and reused across runs), `fixed` at the fleet's measured mean time between
 rounds (the fair setting for a fidelity check: the simulator is judged on the boards, given the server's
 speed), and `measured` (the replay times its own server work: the prediction a user has without a fleet).
-The round table and the last line are the `fixed` replay's; the other two are summarised above it.
+A fourth replay, the fair one, also models the fleet transport inside a round (`[run] transport_time`,
+simulator/transport_time.py: the server encoding and publishing a round's tasks one after another, a broker hop
+each way, the server collecting each result), with figures measured apart from the fleet on the same server
+code and broker (benchmarks/_fidelity_transport.py, or `--transport-from` a file it wrote). The round table and
+the last line are that replay's; the other three are summarised above it.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.fidelity --mixed
 """
@@ -68,6 +72,9 @@ MIXED_DEFAULTS: dict[str, Any] = {
 }
 # What the server counts when bytes travel twice (server/chunk_exchange.py, server/mqtt_transport.py).
 RETRANSMISSION_COUNTERS = ("rerequests", "task_chunks_resent", "tasks_resent")
+# The fair replay (the round table and the last line): the server's time between rounds fixed at the fleet's,
+# and the transport inside a round modelled from a separate measurement (transport_time).
+FAIR = "fixed+transport"
 HOUR_S = 3600.0
 DAY_S = 86400.0
 
@@ -129,7 +136,8 @@ def unmodelled(
             (row.fleet.duration_s - row.simulated.duration_s) / row.simulated.duration_s for row in same
         )
         lines.append(
-            f"broker and transport inside a round (fleet - simulated, {len(same)} rounds with the same sets): "
+            f"broker and transport inside a round beyond the replay's (fleet - simulated, {len(same)} rounds with "
+            "the same sets): "
             f"median {statistics.median(transport) * 1e3:+.0f} ms ({share:+.1%} of the round)"
         )
     if gaps:
@@ -176,7 +184,8 @@ def replay_fingerprint(
     settings = {
         k: v
         for k, v in vars(a).items()
-        if k not in ("out", "replay_only", "timeout", "settle", "fleet_from", "fixed_server_s")
+        if k
+        not in ("out", "replay_only", "timeout", "settle", "fleet_from", "fixed_server_s", "transport_from")
     }
     extra = {"server": dict(server)} if server else {}
     return json.dumps({**settings, **extra, "trace": trace_path.read_text()}, sort_keys=True, default=str)
@@ -224,6 +233,23 @@ def recorded_fleet(a: argparse.Namespace, trace_path: Path) -> dict[str, Any]:
         raise ValueError(f"--fleet-from {recorded}: its fleet ran another trace than these settings make")
     print(f"comparing against the fleet recorded in {recorded}")
     return {**read_fleet_run(recorded, a.devices), "agents_ready_s": math.nan, "seconds": math.nan}
+
+
+def transport_time(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The fair replay's [run] transport_time keys: from `--transport-from`, else measured now on this host by
+    benchmarks/_fidelity_transport.py (kept in transport-time.json). Never fitted to the fleet's rounds."""
+    from benchmarks._fidelity_transport import measure_transport_time
+    from nestling.config import TRANSPORT_TIME_KEYS
+
+    if a.transport_from is not None:
+        measured = json.loads(a.transport_from.read_text())
+        missing = [k for k in ("transport_time", *TRANSPORT_TIME_KEYS) if k not in measured]
+        if missing:
+            raise ValueError(f"--transport-from {a.transport_from}: no {', '.join(missing)}")
+    else:
+        measured = measure_transport_time()
+        (work / "transport-time.json").write_text(json.dumps(measured, indent=1))
+    return {k: measured[k] for k in ("transport_time", *TRANSPORT_TIME_KEYS)}
 
 
 def replay_server_seconds(out: Path) -> list[float]:
@@ -287,10 +313,12 @@ def run_mixed(a: argparse.Namespace) -> int:
         # After the fleet, so they cannot disturb it: the replay given the fleet's server time, and the one
         # that measures its own.
         fixed = fixed_server_time(fleet["metrics"], a.fixed_server_s)
+        transport = transport_time(a, work)
         replays = {
             "none": sim,
             "fixed": replay_once(a, scaled_path, work / "sim-fixed", fixed),
             "measured": replay_once(a, scaled_path, work / "sim-measured", {"server_time": "measured"}),
+            FAIR: replay_once(a, scaled_path, work / "sim-transport", {**fixed, **transport}),
         }
         moved = {mode: replay_server_seconds(work / f"sim-{mode}") for mode in ("fixed", "measured")}
     lost = left_mid_task(fleet["agent_logs"])
@@ -302,7 +330,7 @@ def run_mixed(a: argparse.Namespace) -> int:
         )
         for mode, run in replays.items()
     }
-    v = verdicts["fixed"]
+    v = verdicts[FAIR]
     simulated = [row.simulated for row in v.rows]
     classes = Counter(t.device_class for t in traces)
     churning = sum(bool(t.availability) for t in traces)
@@ -328,7 +356,7 @@ def run_mixed(a: argparse.Namespace) -> int:
         else f"{fleet['seconds']:.1f} s wall ({fleet['agents_ready_s']:.1f} s starting {a.devices} agents)"
     )
     print(
-        f"simulator: {sum(run['seconds'] for run in replays.values()):.1f} s for three replays; fleet: {ran}"
+        f"simulator: {sum(run['seconds'] for run in replays.values()):.1f} s for four replays; fleet: {ran}"
     )
     rates = host_speeds(fleet["emulation"], {device_id(i): t.gflops for i, t in enumerate(traces)})
     if rates:
@@ -350,11 +378,17 @@ def run_mixed(a: argparse.Namespace) -> int:
         f"measured by the replay itself: mean {statistics.fmean(moved['measured'] or [0.0]):.3f} s, "
         f"{min(moved['measured'] or [0.0]):.3f}-{max(moved['measured'] or [0.0]):.3f} s"
     )
-    for mode in ("none", "measured", "fixed"):
+    source = a.transport_from or "measured after the fleet (benchmarks/_fidelity_transport.py)"
+    print(
+        "replay transport time: "
+        + " ".join(f"{k}={transport[k]}" for k in transport if k != "transport_time")
+        + f" ({source})"
+    )
+    for mode in ("none", "measured", "fixed", FAIR):
         print(
             f"server_time={mode}: {final_line(verdicts[mode], len(classes), dropouts)}{as_measured(verdicts[mode])}"
         )
-    print("round by round, server_time=fixed:")
+    print(f"round by round, server_time={FAIR}:")
     for line in describe(v):
         print(line)
     for line in unmodelled(v, fleet["metrics"], summary_counters):

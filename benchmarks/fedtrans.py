@@ -38,7 +38,7 @@ HETEROFL_RATES = {"a": 1.0, "b": 0.5, "c": 0.25, "d": 0.125, "e": 0.0625}
 
 
 class MacMeter:
-    """Counts training MACs of every delivered result (passed to the simulator as a pass-through `tamper`)."""
+    """Counts training MACs of every delivered result (a read-only result observer of the simulator)."""
 
     def __init__(self, input_shape: tuple[int, int, int]) -> None:
         from nestling.profiler.speed import MacCounter
@@ -46,13 +46,12 @@ class MacMeter:
         self.macs = MacCounter(input_shape)
         self.total = 0.0
 
-    def __call__(self, task: Task, result: Result) -> Result:
+    def __call__(self, task: Task, result: Result) -> None:
         from nestling.profiler.speed import TRAIN_OVER_FORWARD, samples_trained
         from nestling.spec import SubmodelSpec
 
         forward = self.macs(SubmodelSpec.from_dict(task.spec))
         self.total += forward * TRAIN_OVER_FORWARD * samples_trained(task.hparams, result.num_samples)
-        return result
 
 
 def base_config(a: argparse.Namespace, seed: int, method: dict[str, Any], extra: dict[str, Any]) -> Any:
@@ -122,7 +121,7 @@ def run_fedtrans(a: argparse.Namespace, seed: int, work: Path) -> dict[str, Any]
     }
     meter = MacMeter((3, 32, 32) if a.dataset.startswith("cifar") else (1, 16, 16))
     summary = run_simulation(
-        base_config(a, seed, method, {}), work / f"fedtrans-{seed}", tamper=meter, overwrite=True
+        base_config(a, seed, method, {}), work / f"fedtrans-{seed}", observers=[meter], overwrite=True
     )
     report = summary["method_report"]["fedtrans"]
     accuracy = final_accuracy(work / f"fedtrans-{seed}")
@@ -181,7 +180,7 @@ def run_heterofl(a: argparse.Namespace, seed: int, work: Path, fedtrans: dict[st
     run_simulation(
         base_config(a, seed, {"name": "heterofl", "mix": mix}, extra),
         work / f"heterofl-{seed}",
-        tamper=meter,
+        observers=[meter],
         overwrite=True,
     )
     accuracy = final_accuracy(work / f"heterofl-{seed}")

@@ -396,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         "measured time between rounds)",
     )
     parser.add_argument(
+        "--transport-from",
+        type=Path,
+        help="--mixed: the fair replay's [run] transport_time keys from this JSON (benchmarks._fidelity_transport "
+        "--out) instead of measuring them after the fleet",
+    )
+    parser.add_argument(
         "--target-share",
         type=float,
         default=0.9,

@@ -145,16 +145,17 @@ def run(
     # MAC scaling alone: the prediction before the narrow point and the cost per task
     by_macs = replace(host_board, narrow=None, task_s=None)
 
-    def watch(task: Task, result: Result) -> Result:  # read-only: the host's real training time of each task
+    def watch(task: Task, result: Result) -> None:  # read-only: the host's real training time of each task
         spec = SubmodelSpec.from_dict(task.spec)
         trained = samples_trained(task.hparams, samples[task.device_id])
         steps = steps_trained(task.hparams, samples[task.device_id])
         observed = float(result.metrics["train_seconds"])
         outcome.host.append((host_board.train_seconds(spec, trained, steps), observed))
         outcome.host_by_macs.append((by_macs.train_seconds(spec, trained), observed))
-        return result
 
-    transport = InProcessTransport(devices, InProcessBackend(fleet_data.client), clock, fleet, tamper=watch)
+    transport = InProcessTransport(
+        devices, InProcessBackend(fleet_data.client), clock, fleet, observers=[watch]
+    )
     evaluator = Evaluator(bundle.test.x, bundle.test.y, batch_size=256)
     policy = RoundPolicy(
         rounds=rounds,

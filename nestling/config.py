@@ -105,6 +105,13 @@ class RunSection:
     server_eval_s: float | None = None
     server_checkpoint_s: float | None = None
     server_time_factor: float | None = None
+    # The fleet transport's own time inside a round (simulator/transport_time.py): none, or fixed: the server's
+    # serial seconds per task (+ per MB of its tensors), a broker hop each way, seconds per MB of a result collected.
+    transport_time: str = "none"
+    transport_dispatch_s: float | None = None
+    transport_dispatch_s_per_mb: float | None = None
+    transport_hop_s: float | None = None
+    transport_collect_s_per_mb: float | None = None
     backend: str = "auto"  # auto (pool when workers > 1), inprocess, pool, ray
     batching: str = "off"  # train same-spec clients of a round together: off, on, auto (only when faster)
     compile: bool = False  # torch.compile client models in the simulator's workers
@@ -141,6 +148,13 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median")  # [run] aggregation (nestling
 PRECISIONS = ("fp32", "bf16")  # [train] precision: edge/execution.py applies it
 SERVER_TIMES = ("none", "fixed", "measured")  # [run] server_time: simulator/server_time.py
 FIXED_SERVER_TIMES = ("server_round_s", "server_eval_s", "server_checkpoint_s")
+TRANSPORT_TIMES = ("none", "fixed")  # [run] transport_time: simulator/transport_time.py
+TRANSPORT_TIME_KEYS = (
+    "transport_dispatch_s",
+    "transport_dispatch_s_per_mb",
+    "transport_hop_s",
+    "transport_collect_s_per_mb",
+)
 
 
 @dataclass
@@ -205,7 +219,7 @@ class SimConfig:
             (self.run.bn_variance_factor > 1, "[run] bn_variance_factor must be > 1"),
             (self.run.bn_mean_sigmas > 0, "[run] bn_mean_sigmas must be > 0"),
         ]
-        for ok, message in checks + self._server_time_checks():
+        for ok, message in checks + self._server_time_checks() + self._transport_time_checks():
             if not ok:
                 raise ConfigError(message)
         return self
@@ -252,6 +266,39 @@ class SimConfig:
             (
                 factor is None or mode == "measured",
                 f'[run] server_time_factor is used only with server_time = "measured" (server_time is {mode!r})',
+            )
+        )
+        return checks
+
+    def _transport_time_checks(self) -> list[tuple[bool, str]]:
+        """[run] transport_time and its keys: finite seconds >= 0, only with "fixed", only in a replay."""
+        run = self.run
+        mode = run.transport_time
+        given = {key: getattr(run, key) for key in TRANSPORT_TIME_KEYS}
+        checks = [
+            (
+                mode in TRANSPORT_TIMES,
+                f"[run] transport_time must be one of {', '.join(TRANSPORT_TIMES)}, got {mode!r}",
+            ),
+            (
+                mode == "none" or run.traces is not None,
+                f"[run] transport_time = {mode!r} delays a replay's tasks: it needs [run] traces",
+            ),
+        ]
+        for key, value in given.items():
+            checks.append(
+                (value is None or 0 <= value < math.inf, f"[run] {key} must be a finite number >= 0")
+            )
+            checks.append(
+                (
+                    value is None or mode == "fixed",
+                    f'[run] {key} is used only with transport_time = "fixed" (transport_time is {mode!r})',
+                )
+            )
+        checks.append(
+            (
+                mode != "fixed" or any(v is not None for v in given.values()),
+                f'[run] transport_time = "fixed" needs at least one of {", ".join(TRANSPORT_TIME_KEYS)}',
             )
         )
         return checks

@@ -12,6 +12,7 @@ from nestling.server.strategies.base import DeviceInfo
 from nestling.server.transport import Delivery
 from nestling.simulator.backend import Backend
 from nestling.simulator.durations import Arrival
+from nestling.simulator.transport_time import TransportTime
 
 # Sees every result a simulated board trained, with its task, before anything can alter it (a `tamper`): what a
 # board computed is metered this way (simulator/reproduce_compute.py).
@@ -47,6 +48,8 @@ class TaskEvent:
     down_s: float = 0.0  # planned phases (download and upload include one latency each)
     compute_s: float = 0.0
     up_s: float = 0.0
+    reach_s: float = 0.0  # the fleet transport's time until the board has its task's first chunk ...
+    return_s: float = 0.0  # ... and from the board sending its result to the server holding it
 
 
 class InProcessTransport:
@@ -64,7 +67,9 @@ class InProcessTransport:
         fleet: SimulatedFleet | None = None,
         tamper: Callable[[Task, Result], Result | None] | None = None,
         observers: Sequence[ResultObserver] = (),
+        transport_time: TransportTime | None = None,
     ) -> None:
+        """`transport_time` (replays only): what the server and broker add to each task of a round."""
         if fleet is not None and clock is None:
             raise ValueError("a simulated fleet needs the virtual clock it runs on")
         self._devices = devices
@@ -75,6 +80,7 @@ class InProcessTransport:
         self.observers = tuple(
             observers
         )  # read-only: they see each trained result, never change what arrives
+        self.transport_time = transport_time or TransportTime()
         self.pending: list[tuple[float, TaskEvent, Task | None]] = []  # None: a dropout event
         self.events: list[TaskEvent] = []  # every task dispatched in a replay; drained per round
 
@@ -98,9 +104,15 @@ class InProcessTransport:
 
     def dispatch(self, tasks: list[Task]) -> None:
         now = self.clock.now() if self.clock is not None else 0.0
-        for task in tasks:
-            arrival = self.fleet.arrival(task, now) if self.fleet is not None else Arrival(0.0)
-            event = TaskEvent(task.round, task.device_id, task.spec_id, now, now + arrival.seconds)
+        transport = self.transport_time if self.fleet is not None else TransportTime()
+        for task, lead in zip(tasks, transport.reach_s(tasks), strict=True):
+            # The board's availability is read when its task reaches it; a dropout is noticed a hop later.
+            arrival = self.fleet.arrival(task, now + lead) if self.fleet is not None else Arrival(0.0)
+            back = transport.hop_s if arrival.dropped else transport.return_s(task)
+            event = TaskEvent(
+                task.round, task.device_id, task.spec_id, now, now + lead + arrival.seconds + back
+            )
+            event.reach_s, event.return_s = lead, back
             if arrival.cost is not None:
                 event.down_s, event.compute_s, event.up_s = (
                     arrival.cost.down_s,

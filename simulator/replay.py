@@ -28,6 +28,7 @@ from nestling.simulator.emulated_fleet import trace_profile
 from nestling.simulator.fleetdata import client_provider, device_id, device_index
 from nestling.simulator.inprocess import InProcessTransport, ResultObserver
 from nestling.simulator.server_time import NoServerTime, ServerClock, ServerTime, TimedBackend
+from nestling.simulator.transport_time import TransportTime
 from nestling.spec import SubmodelSpec
 from nestling.strict_json import strict_dumps
 
@@ -124,11 +125,13 @@ class Replay:
         plan: tuple[SubmodelSpec, int] | None = None,
         *,
         server_time: ServerTime | None = None,
+        transport_time: TransportTime | None = None,
         schedule: tuple[int, int] = (1, 1),
         observers: Sequence[ResultObserver] = (),
         tamper: Callable[[Task, Result], Result | None] | None = None,
     ) -> None:
         """`server_time`: how far the clock moves for the server's work after each round (none by default);
+        `transport_time`: what the server and broker add to each task inside a round (none by default);
         `schedule`: the run's rounds and checkpoint_every, which say the rounds that write a checkpoint;
         `observers` and `tamper` as InProcessTransport takes them."""
         self.trace_path = str(trace_path)
@@ -136,7 +139,13 @@ class Replay:
         self.clock = VirtualClock()
         timed = TimedBackend(backend)
         self.transport = InProcessTransport(
-            self.fleet.devices, timed, self.clock, self.fleet, tamper=tamper, observers=observers
+            self.fleet.devices,
+            timed,
+            self.clock,
+            self.fleet,
+            tamper=tamper,
+            observers=observers,
+            transport_time=transport_time,
         )
         self.server = ServerClock(server_time or NoServerTime(), self.clock, timed, out_dir, *schedule)
         self.timeline = out_dir / TIMELINE
@@ -184,7 +193,9 @@ class Replay:
         rows = read_timeline(self.timeline.parent)
         outcomes = Counter(row["outcome"] for row in rows)
         classes = Counter(self.fleet.device_class(d.device_id) for d in self.fleet.devices)
+        transport = self.transport.transport_time
         return {
+            **({"transport_time": asdict(transport)} if transport.mode != "none" else {}),
             "traces": self.trace_path,
             "devices": len(self.fleet.devices),
             "device_classes": dict(classes),

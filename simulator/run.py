@@ -39,6 +39,7 @@ from nestling.simulator.parallel_eval import evaluator_for, worker_evaluator
 from nestling.simulator.replay import Replay, cycled_provider, fleet_size
 from nestling.simulator.replay_report import write_replay_report
 from nestling.simulator.server_time import server_time_for
+from nestling.simulator.transport_time import transport_time_for
 
 
 def partition_options(cfg: SimConfig) -> dict[str, Any]:
@@ -168,6 +169,7 @@ def run_simulation(
             out_dir,
             plan,
             server_time=server_time_for(cfg.run),
+            transport_time=transport_time_for(cfg.run),
             schedule=(cfg.run.rounds, cfg.run.checkpoint_every),
             observers=observers,
             tamper=tamper,

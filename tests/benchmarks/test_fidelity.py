@@ -6,11 +6,13 @@ import json
 import re
 
 import pytest
+import torch
 
 from benchmarks import _fidelity_compare as fidelity_compare
 from benchmarks import _fidelity_mixed as fidelity_mixed
 from benchmarks import fidelity
 from nestling.edge.emulation import TaskPacing
+from nestling.messages import Task
 
 
 def record(round_index: int, start: float, end: float) -> dict:
@@ -211,6 +213,7 @@ def test_a_tiny_mixed_fleet_comes_and_goes_in_both_worlds(tmp_path, capsys: pyte
     windows = re.search(r"windows: (\d+) departures and returns by the agents, each within ([\d.]+) s", out)
     assert windows and int(windows.group(1)) >= 1 and float(windows.group(2)) < 0.5
     assert "reaches" in out and "server time between rounds" in out
+    assert "replay transport time: transport_dispatch_s=" in out and "server_time=fixed+transport:" in out
 
 
 def test_a_replay_is_reused_only_for_the_same_settings_and_trace(
@@ -286,3 +289,54 @@ def test_a_recorded_fleet_must_have_run_the_same_trace(tmp_path) -> None:
     (recorded / "fleet.jsonl").write_text('{"device_id": "b"}\n')
     with pytest.raises(ValueError, match="another trace"):
         fidelity_mixed.recorded_fleet(a, trace)
+
+
+def test_the_transport_figures_are_recovered_from_samples_the_model_makes() -> None:
+    from benchmarks._fidelity_transport import derive
+    from nestling.simulator.transport_time import MB, TransportTime
+
+    truth = TransportTime(dispatch_s=0.01, dispatch_s_per_mb=0.04, hop_s=0.003, collect_s_per_mb=0.05)
+    samples = []
+    for mb in (0.02, 1.1):
+        tasks = [Task(0, "d", {}, {"w": torch.zeros(int(mb * MB) // 4)}, "sgd")] * 4
+        for k, reach in enumerate(truth.reach_s(tasks)):
+            samples.append({"mb": mb, "k": k, "reach_s": reach, "back_s": truth.return_s(tasks[k])})
+    derived = derive(samples)
+    assert derived == pytest.approx(
+        {
+            "transport_dispatch_s": 0.01,
+            "transport_dispatch_s_per_mb": 0.04,
+            "transport_hop_s": 0.003,
+            "transport_collect_s_per_mb": 0.05,
+        },
+        abs=1e-6,
+    )
+    with pytest.raises(ValueError, match="two sizes"):
+        derive([s for s in samples if s["mb"] == 1.1])
+
+
+def test_the_fair_replays_transport_figures_can_come_from_a_file(tmp_path) -> None:
+    a = fidelity.argparse.Namespace(transport_from=tmp_path / "transport.json")
+    keys = {
+        "transport_time": "fixed",
+        "transport_dispatch_s": 0.01,
+        "transport_dispatch_s_per_mb": 0.04,
+        "transport_hop_s": 0.003,
+        "transport_collect_s_per_mb": 0.05,
+    }
+    a.transport_from.write_text(json.dumps({**keys, "samples": []}))
+    assert fidelity_mixed.transport_time(a, tmp_path) == keys
+    a.transport_from.write_text(json.dumps({"transport_time": "fixed", "transport_hop_s": 0.003}))
+    with pytest.raises(ValueError, match="no transport_dispatch_s, transport_dispatch_s_per_mb"):
+        fidelity_mixed.transport_time(a, tmp_path)
+
+
+@pytest.mark.slow
+def test_the_transport_is_measured_through_the_real_server_transport_and_broker() -> None:
+    from benchmarks._fidelity_transport import measure
+
+    samples = measure(boards=2, rounds=1, hold_s=0.2)
+    assert len(samples) == 4 and {s["k"] for s in samples} == {0, 1}
+    assert len({s["mb"] for s in samples}) == 2
+    # Every task reached its board after the dispatch began, and every result took time to come back.
+    assert all(0 < s["reach_s"] < 5 and 0 < s["back_s"] < 5 for s in samples)
