@@ -1,21 +1,23 @@
 """Per-part parameters, MACs and saved-activation bytes of a submodel, derived by running the model itself.
 
-The submodel is built on the meta device and a part's tensors are made FakeTensors on the CPU when it runs: they
-carry shapes, dtypes and storages but no data, every op runs its meta kernel, and the CPU's kernel choices still
-hold (scaled-dot-product attention takes the CPU flash path, which keeps q, k, v, its output and the log-sum-exp,
-where a plain meta tensor would take the math path and keep the attention matrix). Each part (stem, block i,
-exit i with its loss, head with its loss) runs its training forward alone on a fresh input of the shape the
-previous part emitted, with `saved_tensors_hooks` recording what autograd keeps by storage (views of one buffer
-count once) and a dispatch mode counting multiply-accumulates of every op torch's flop counter knows. Nothing
-runs backward. The chain then adds the parts up as one forward keeps them: the tensor between two parts is one
-storage (kept by a block's last ReLU and by the next block's first conv: counted once in the total, listed under
-both parts), and the int64 labels every output's loss keeps are one tensor.
+The submodel is built on the meta device and each part runs on meta tensors: they carry shapes, dtypes and
+storages but no data. Where the CPU's kernel choice changes what autograd keeps, the CPU's choice is taken:
+scaled-dot-product attention runs the CPU flash kernel (it keeps q, k, v, its output and the log-sum-exp;
+meta alone would take the math path and keep the attention matrix). Each part (stem, block i, exit i with
+its loss, head with its loss) runs its training forward alone on a fresh input of the shape the previous
+part emitted, with `saved_tensors_hooks` recording what autograd keeps by storage (views of one buffer count
+once) and a dispatch mode counting multiply-accumulates of every op torch's flop counter knows. Nothing runs
+backward. The chain then adds the parts up as one forward keeps them: the tensor between two parts is one
+storage (kept by a block's last ReLU and by the next block's first conv: counted once in the total, listed
+under both parts), and the int64 labels every output's loss keeps are one tensor.
 
-A part's run is cached by its module tree's signature (types, plain attributes, tensor shapes) and its input,
-so alike blocks of one model, and the same block of two specs, run once. Saved bytes are affine in the batch
-(per-sample activations plus fixed BN statistics and loss scalars), so two probe batches give every batch
-exactly. An op with no meta kernel makes the trace run on real CPU tensors at the probe batches instead (none
-of the registered families needs it).
+Two caches keep this cheap. A part's run is cached by its module tree's signature (types, plain attributes,
+tensor shapes) and its input, so alike blocks of one model, and the same block of two specs, run once. Below
+autograd, an op that returns only new tensors runs its meta kernel once per input geometry and is answered
+by fresh meta tensors of the same shapes after (training batch norm's Python meta kernel alone costs
+~15-30 ms a call). Saved bytes are affine in the batch (per-sample activations plus fixed BN statistics and
+loss scalars), so two probe batches give every batch exactly. An op with no meta kernel makes the trace run
+on real CPU tensors at the probe batches instead (none of the registered families needs it).
 """
 
 from __future__ import annotations
@@ -31,14 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-    UnsupportedFakeTensorException,
-    UnsupportedOperatorException,
-)
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -46,14 +41,9 @@ from nestling.models.net import ScalableNet
 from nestling.models.zoo import build
 from nestling.spec import SubmodelSpec
 
-NO_META_KERNEL = (
-    UnsupportedOperatorException,
-    UnsupportedFakeTensorException,
-    DynamicOutputShapeException,
-    DataDependentOutputException,
-)
 PROBES = (2, 3)  # two batches fix the affine saved bytes; 2, not 1: training BN refuses one value per channel
 _aten = torch.ops.aten
+_FLASH_CHOICE = torch._C._SDPBackend.FLASH_ATTENTION.value  # what _fused_sdp_choice answers for flash
 # The CPU flash kernel has the flash kernel's shapes and cost; torch's flop counter only lists the GPU ones.
 _MAC_RULES: dict[Any, Callable[..., int]] = {
     **flop_registry,
@@ -137,30 +127,102 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     return storage._cdata, storage.nbytes()
 
 
-class _Running:
-    """The part whose forward (or loss) runs now: forward pre-hooks move it along."""
+_OpKey = tuple[Any, ...]
+_OutMeta = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
+_OP_OUTPUTS: dict[
+    _OpKey, tuple[_OutMeta, int]
+] = {}  # an op on inputs of these shapes -> its outputs, its MACs
+_MAX_OP_OUTPUTS = 200_000
+_FRESH_OUTPUTS: dict[Any, bool] = {}  # op -> it returns only new tensors (no view, no in-place result)
+
+
+def _fresh_outputs(func: Any) -> bool:
+    """Whether `func` returns only new tensors, so fresh tensors of its output shapes stand in for it on meta."""
+    known = _FRESH_OUTPUTS.get(func)
+    if known is None:
+        returns = func._schema.returns
+        known = bool(returns) and all(
+            r.alias_info is None and isinstance(r.type, torch.TensorType) for r in returns
+        )
+        _FRESH_OUTPUTS[func] = known
+    return known
+
+
+def _arg_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.stride(), value.dtype, value.storage_offset(), value.device.type)
+    if isinstance(value, (list, tuple)):
+        return (type(value), *(_arg_key(v) for v in value))
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return (type(value), value)
+
+
+class _CpuAttention(TorchFunctionMode):
+    """Attention as the CPU runs it: meta tensors would take the math path (which keeps the attention matrix),
+    the CPU's flash kernel keeps q, k, v, its output and the log-sum-exp; its choice is asked on empty CPU
+    tensors of the same shapes."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+            cpu = [torch.empty(a.shape, dtype=a.dtype).requires_grad_(a.requires_grad) for a in args[:3]]
+            if int(_aten._fused_sdp_choice(*cpu, *args[3:], **kwargs)) == _FLASH_CHOICE:
+                return _aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)[0]
+        return func(*args, **kwargs)
+
+
+class _MetaOps(TorchDispatchMode):
+    """Runs a part's ops on meta tensors as the CPU would choose them, counting multiply-accumulates.
+
+    An op that returns only new tensors runs once per input geometry: later calls get fresh meta tensors of
+    the shapes it gave (training batch norm's Python meta kernel alone costs ~30 ms a call). Views and
+    in-place ops always run (their outputs share their inputs' storages, which the saved-bytes count follows)."""
 
     def __init__(self) -> None:
-        self.label = "input"
-
-
-class _MacCounter(TorchDispatchMode):
-    """Multiply-accumulates of every op with a known cost rule, charged to the running part."""
-
-    def __init__(self, running: _Running) -> None:
         super().__init__()
-        self.running = running
-        self.macs: dict[str, int] = {}
+        self.macs = 0
+        self.math_attention = False  # meta took attention's math path (its safe softmax ran)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _aten._safe_softmax.default:
+            self.math_attention = True
+        if not _fresh_outputs(func):
+            out = func(*args, **kwargs)
+            self.macs += self._macs(func, args, kwargs, out)
+            return out
+        key = (func, _arg_key(args), _arg_key(kwargs))
+        known = _OP_OUTPUTS.get(key)
+        if known is not None:
+            shapes, macs = known
+            self.macs += macs
+            made = tuple(torch.empty_strided(s, st, dtype=d, device="meta") for s, st, d in shapes)
+            return made if len(func._schema.returns) > 1 else made[0]
         out = func(*args, **kwargs)
-        rule = _MAC_RULES.get(func._overloadpacket)
-        if rule is not None:
-            flops = int(rule(*args, **kwargs, out_val=out))
-            label = self.running.label
-            self.macs[label] = self.macs.get(label, 0) + flops // 2
+        macs = self._macs(func, args, kwargs, out)
+        self.macs += macs
+        outs = out if isinstance(out, tuple) else (out,)
+        stand_ins = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="meta") for o in outs]
+        # cached only when fresh tensors of those shapes have the same storages (size, none shared, offset 0)
+        if (
+            all(o.device.type == "meta" for o in outs)
+            and len({_storage(o)[0] for o in outs}) == len(outs)
+            and all(
+                o.storage_offset() == 0 and _storage(o)[1] == _storage(n)[1] for o, n in zip(outs, stand_ins)
+            )
+        ):
+            if len(_OP_OUTPUTS) >= _MAX_OP_OUTPUTS:
+                _OP_OUTPUTS.clear()
+            _OP_OUTPUTS[key] = (tuple((tuple(o.shape), o.stride(), o.dtype) for o in outs), macs)
         return out
+
+    @staticmethod
+    def _macs(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+        rule = _MAC_RULES.get(func._overloadpacket)
+        return int(rule(*args, **kwargs, out_val=out)) // 2 if rule is not None else 0
 
 
 @dataclass(frozen=True)
@@ -210,9 +272,12 @@ def _run_part(
     dtype: torch.dtype,
     grad: bool,
     loss: bool,
-    mode: FakeTensorMode | None,
+    device: str,
+    cpu_attention: bool = False,
 ) -> _PartRun:
-    """Run `module` alone on a fresh input: what autograd keeps, by storage, and its MACs."""
+    """Run `module` alone on a fresh input: what autograd keeps, by storage, and its MACs. A part in which meta
+    took attention's math path runs again with the CPU's attention (the mode that asks costs every part
+    ~20 %, so only parts with attention pay it)."""
     excluded = {_storage(t)[0] for t in [*module.parameters(), *module.buffers()]}
     saved: dict[int, int] = {}
     alive: list[torch.Tensor] = []  # storages stay allocated, so no identity is reused during the run
@@ -224,16 +289,17 @@ def _run_part(
         alive.append(tensor)
         return tensor
 
-    counter = (
-        _MacCounter(_Running()) if shape[0] == PROBES[-1] else contextlib.nullcontext()
-    )  # MACs at one probe
-    with mode if mode is not None else contextlib.nullcontext():
-        x = torch.zeros(shape, dtype=dtype, requires_grad=grad)
-        y = torch.zeros(shape[0], dtype=torch.long)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
-            out = module(x)
-            if loss:
-                F.cross_entropy(out, y)
+    ops = _MetaOps()
+    x = torch.zeros(shape, dtype=dtype, device=device, requires_grad=grad)
+    y = torch.zeros(shape[0], dtype=torch.long, device=device)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    attention = _CpuAttention() if cpu_attention else contextlib.nullcontext()
+    with torch.enable_grad(), hooks, attention, ops:
+        out = module(x)
+        if loss:
+            F.cross_entropy(out, y)
+    if ops.math_attention and not cpu_attention:
+        return _run_part(module, shape, dtype, grad, loss, device, cpu_attention=True)
     x_key, _ = _storage(x)
     out_key, out_bytes = _storage(out)
     y_key, y_bytes = _storage(y)
@@ -244,7 +310,7 @@ def _run_part(
         saves_output=out_key != x_key and out_key in saved,
         output_is_input=out_key == x_key,
         labels=y_bytes if y_key in saved else 0,
-        macs=counter.macs.get("input", 0) if isinstance(counter, _MacCounter) else 0,
+        macs=ops.macs,
         out_shape=tuple(out.shape),
         out_dtype=out.dtype,
         out_bytes=out_bytes,
@@ -252,20 +318,13 @@ def _run_part(
 
 
 def _part_run(
-    module: nn.Module,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    grad: bool,
-    loss: bool,
-    mode: FakeTensorMode | None,
+    module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, grad: bool, loss: bool, device: str
 ) -> _PartRun:
     """`_run_part`, cached by the part's signature: alike blocks of one model, or of two specs, run once."""
-    key = (_signature(module), shape, dtype, grad, loss, mode is None)
+    key = (_signature(module), shape, dtype, grad, loss, device)
     run = _PART_RUNS.get(key)
     if run is None:
-        if mode is not None:
-            _fake_cpu(module, mode)
-        run = _run_part(module, shape, dtype, grad, loss, mode)
+        run = _run_part(module, shape, dtype, grad, loss, device)
         if len(_PART_RUNS) >= _MAX_PART_RUNS:
             _PART_RUNS.clear()
         _PART_RUNS[key] = run
@@ -273,7 +332,7 @@ def _part_run(
 
 
 def _chain(
-    net: ScalableNet, spec: SubmodelSpec, batch: int, mode: FakeTensorMode | None
+    net: ScalableNet, spec: SubmodelSpec, batch: int, device: str
 ) -> tuple[dict[str, int], dict[tuple[str, str], int], int, dict[str, int]]:
     """The submodel at `batch`, part after part: bytes per part, bytes shared with its producer, total; MACs."""
     model = spec.model
@@ -286,7 +345,7 @@ def _chain(
     internal = labels = 0
     macs: dict[str, int] = {}
     for name, kind, _, module in model_parts(net):
-        run = _part_run(module, shape, dtype, grad, kind in ("exit", "head"), mode)
+        run = _part_run(module, shape, dtype, grad, kind in ("exit", "head"), device)
         out = tensor if run.output_is_input else len(sizes)
         sizes.setdefault(out, run.out_bytes)
         mine = run.internal + run.labels
@@ -351,36 +410,22 @@ def _quiet_rng() -> Iterator[None]:
         yield
 
 
-def _fake_cpu(part: nn.Module, mode: FakeTensorMode) -> None:
-    """`part` (built on the meta device, which is fast) with every parameter and buffer a data-less CPU tensor."""
-    cpu = torch.device("cpu")
-    for module in part.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None and param.device.type == "meta":
-                fake = FakeTensor(mode, param.data, cpu)
-                module._parameters[name] = nn.Parameter(fake, requires_grad=param.requires_grad)
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.device.type == "meta":
-                module._buffers[name] = FakeTensor(mode, buffer, cpu)
-
-
-def _trace_on(spec: SubmodelSpec, fake: bool) -> Trace:
-    mode = FakeTensorMode() if fake else None
+def _trace_on(spec: SubmodelSpec, device: str) -> Trace:
     with _quiet_rng():
-        net = build(spec, device="meta" if fake else None, init=not fake)
+        net = build(spec, device=device, init=device != "meta")
         net.train()
-        low, high = (_chain(net, spec, batch, mode) for batch in PROBES)
+        low, high = (_chain(net, spec, batch, device) for batch in PROBES)
     params = _part_params(net)
     parts = tuple(PartTrace(**vars(p), macs=high[3].get(p.name, 0) // PROBES[-1]) for p in params)
     saved = Saved((low[0], high[0]), (low[1], high[1]), (low[2], high[2]))
-    return Trace(spec, parts, saved, None if fake else "real")
+    return Trace(spec, parts, saved, None if device == "meta" else "real")
 
 
 @lru_cache(maxsize=4096)
 def trace(spec: SubmodelSpec) -> Trace:
     """The cached trace of `spec` (batch-independent: saved bytes come at any batch from the two probes)."""
     try:
-        return _trace_on(spec, fake=True)
-    except NO_META_KERNEL as error:  # an op without a meta kernel: run it for real on tiny batches
-        real = _trace_on(spec, fake=False)
+        return _trace_on(spec, "meta")
+    except NotImplementedError as error:  # an op without a meta kernel: run it for real on tiny batches
+        real = _trace_on(spec, "cpu")
         return Trace(real.spec, real.parts, real.saved, f"real CPU batches {PROBES} ({error})")
