@@ -144,3 +144,29 @@ def test_strategies_assign_the_largest_submodel_a_registered_budget_holds(method
         assert all(costs[[s.id for s in family].index(c)] <= costs[k] for c in chosen)
     profiled = DeviceInfo("board", 9, 10, profile={"budget": {"memory_bytes": costs[0] - 1}})
     assert strategy.spec_for(0, profiled).id == family[0].id  # nothing fits: the smallest still trains
+
+
+def test_scalefl_level_search_by_bisection_picks_what_the_full_width_scan_picks() -> None:
+    """The search estimates only the widths that bound each depth's window; the full scan estimates them all."""
+    from nestling.profiler.planner import MemoryLevel
+
+    model = ModelConfig("resnet20", exit_kind="scalefl", scaler="always", norm_stats="batch")
+    full = estimate(SubmodelSpec(model), 32).training_bytes
+    targets = [int(0.1 * full), int(0.3 * full)]
+    blocks, widths = 9, [round(0.02 * i, 6) for i in range(1, 51)]
+    scanned: list[MemoryLevel] = []
+    for target in targets:
+        exits = tuple(level.depth - 1 for level in scanned)
+        fitting = []
+        for depth in range((scanned[-1].depth if scanned else 0) + 1, blocks + 1):
+            probe = model.with_(exit_points=(*exits, depth - 1))
+            for width in widths:
+                spec = SubmodelSpec(probe, width=width, depth=depth, exits=probe.exit_points, head=False)
+                memory = estimate(spec, 32).training_bytes
+                if memory > target:
+                    break  # the scan the planner used to run: wider only costs more
+                fitting.append(MemoryLevel(width, depth, memory, target))
+        reach = max(level.memory_bytes for level in fitting)
+        eligible = [level for level in fitting if level.memory_bytes >= 0.95 * reach]
+        scanned.append(min(eligible, key=lambda lv: (abs(lv.width - lv.depth / blocks), -lv.memory_bytes)))
+    assert scalefl_memory_levels(model, targets, 32) == scanned
