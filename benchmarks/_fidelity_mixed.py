@@ -248,7 +248,9 @@ def transport_time(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             raise ValueError(f"--transport-from {a.transport_from}: no {', '.join(missing)}")
     else:
         measured = measure_transport_time()
-        (work / "transport-time.json").write_text(json.dumps(measured, indent=1))
+        from nestling.strict_json import write_strict_json
+
+        write_strict_json(work / "transport-time.json", measured, indent=1)
     return {k: measured[k] for k in ("transport_time", *TRANSPORT_TIME_KEYS)}
 
 

@@ -19,7 +19,6 @@ Ends with the [run] keys as one line of key=value figures.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -259,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     measured = measure_transport_time(a.boards, a.rounds, a.hold_s)
     if a.out is not None:
-        a.out.write_text(json.dumps(measured, indent=1))
+        from nestling.strict_json import write_strict_json
+
+        write_strict_json(a.out, measured, indent=1)
     keys = {k: v for k, v in measured.items() if k != "samples"}
     print(" ".join(f"{k}={v}" for k, v in keys.items()))
     return 0

@@ -133,8 +133,9 @@ def fold_chain(modules: list[nn.Module]) -> list[nn.Module]:
             factor, j = 1.0, i + 1
             if j < len(modules) and isinstance(modules[j], Scaler):
                 factor, j = scaler_factor(modules[j]), j + 1
-            if j < len(modules) and isinstance(modules[j], nn.BatchNorm2d):
-                out.append(fold_conv(module, post=bn_affine(modules[j], factor)))
+            norm = modules[j] if j < len(modules) else None
+            if isinstance(norm, nn.BatchNorm2d):
+                out.append(fold_conv(module, post=bn_affine(norm, factor)))
                 j += 1
             else:
                 out.append(

@@ -125,6 +125,8 @@ def _in_order(update: FlatUpdate, like: FlatUpdate) -> torch.Tensor:
 
 def cut(values: list[float]) -> float | None:
     """The cosine below which an update of this cohort is refused (None: no consensus, nothing is)."""
+    if not values:  # no update had a direction (all zero or non-finite): nothing to judge by
+        return None
     centre = median(values)
     if centre < CONSENSUS:
         return None

@@ -1,7 +1,7 @@
 """What expanding convs into DBBs adds to a training step: parameters, buffers, MACs, saved activations.
 
 Counted from the branch structure, op by op, with the rule autograd follows for each op (the profiler's
-rule, profiler/walk.py): a conv keeps its input, a BN its input and two per-channel statistics, average
+rule, profiler/trace.py): a conv keeps its input, a BN its input and two per-channel statistics, average
 pooling its input, BN-and-pad in train mode the batch statistics it pads with (3 per-channel vectors) and
 its border mask, a sum nothing. The block's input is kept by the plain conv already, so branches reading it
 add nothing for it; the block's output replaces the conv's output one for one. Figures are the extra over

@@ -64,7 +64,7 @@ def test_the_family_layout_written_out_builds_the_same_network(arch: str) -> Non
 
 
 @pytest.mark.parametrize("arch", ["resnet20", "preresnet20"])
-def test_the_profiler_walk_and_export_agree_with_a_grown_layout(arch: str) -> None:
+def test_the_derived_costs_and_export_agree_with_a_grown_layout(arch: str) -> None:
     from nestling.export.standalone import build_standalone, plan_outputs
     from nestling.profiler.estimator import estimate
 
@@ -151,7 +151,7 @@ def test_a_grown_vit_described_to_a_board_builds_the_same_network() -> None:
         assert torch.equal(board(x), server(x))
 
 
-def test_the_profiler_walk_and_export_agree_with_a_grown_vit() -> None:
+def test_the_derived_costs_and_export_agree_with_a_grown_vit() -> None:
     from nestling.export.standalone import build_standalone, plan_outputs
     from nestling.profiler.estimator import estimate
 
