@@ -10,57 +10,14 @@ out) are declared once, here, for the server that writes them and the board that
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
 from nestling.errors import ConfigError
+from nestling.typed_values import accepts, as_declared
 
 P = TypeVar("P", bound="TrainParams")
-
-
-def _accepts(kind: Any, value: Any) -> bool:
-    """Whether a JSON value fits a field annotation (int is not bool; float takes finite ints and floats)."""
-    origin = typing.get_origin(kind)
-    if origin in (typing.Union, types.UnionType):
-        return any(_accepts(arm, value) for arm in typing.get_args(kind))
-    if kind is type(None):
-        return value is None
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if kind is str:
-        return isinstance(value, str)
-    if kind is Any:
-        return True
-    if origin is list or kind is list:
-        args = typing.get_args(kind)
-        return isinstance(value, (list, tuple)) and (not args or all(_accepts(args[0], v) for v in value))
-    if origin is dict or kind is dict:
-        return isinstance(value, dict)
-    raise TypeError(f"unsupported hyper-parameter annotation {kind!r}")
-
-
-def _as_declared(kind: Any, value: Any) -> Any:
-    """An accepted JSON value in its declared type: a JSON integer in a float field becomes that float, so a
-    record holds what its annotation says (`float(...)` of the value, as the procedures took it before)."""
-    if isinstance(value, bool) or value is None:
-        return value
-    if kind is float:
-        return float(value) if isinstance(value, int) else value
-    origin = typing.get_origin(kind)
-    if origin in (typing.Union, types.UnionType):
-        arms = [arm for arm in typing.get_args(kind) if _accepts(arm, value)]
-        return _as_declared(arms[0], value) if arms else value
-    if origin is list and isinstance(value, (list, tuple)):
-        args = typing.get_args(kind)
-        return [_as_declared(args[0], v) for v in value] if args else list(value)
-    return value
 
 
 @dataclass(frozen=True)
@@ -118,11 +75,11 @@ class TrainParams:
         hints = typing.get_type_hints(cls)
         values: dict[str, Any] = {}
         for key, value in hp.items():
-            if not _accepts(hints[key], value):
+            if not accepts(hints[key], value):
                 raise ConfigError(
                     f"task hyper-parameter '{key}' for procedure '{name}' must be {hints[key]}, got {value!r}"
                 )
-            values[key] = _as_declared(hints[key], value)
+            values[key] = as_declared(hints[key], value)
         try:
             return cls(**values)
         except ConfigError as exc:  # a value out of range: say which procedure's task carried it

@@ -9,14 +9,13 @@ read `self.options.flex`, never a dict.
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from nestling.errors import ConfigError
+from nestling.typed_values import accepts, arms, as_declared, element
 
 Record = TypeVar("Record", bound="MethodOptions")
 
@@ -24,62 +23,13 @@ _NAMES = {bool: "bool", int: "int", float: "int or float", str: "str", type(None
 _ELEMENTS = {float: "a list of numbers", int: "a list of integers", Any: "a list"}
 
 
-def _arms(kind: Any) -> tuple[Any, ...]:
-    """The alternatives of a union annotation, or the annotation alone."""
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        return typing.get_args(kind)
-    return (kind,)
-
-
-def _element(kind: Any) -> Any | None:
-    """X of `tuple[X, ...]`, else None."""
-    if typing.get_origin(kind) is tuple:
-        args = typing.get_args(kind)
-        return args[0] if args else Any
-    return None
-
-
-def accepts(kind: Any, value: Any) -> bool:
-    """Whether a config value fits an option's annotation (bool is no number; floats must be finite)."""
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        return any(accepts(arm, value) for arm in typing.get_args(kind))
-    element = _element(kind)
-    if element is not None:
-        return isinstance(value, (list, tuple)) and all(accepts(element, v) for v in value)
-    if kind is Any:
-        return True
-    if kind is type(None):
-        return value is None
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if kind is str:
-        return isinstance(value, str)
-    raise TypeError(f"unsupported option annotation {kind!r}")
-
-
 def kind_name(kind: Any) -> str:
     """How an error names what an option takes: 'int or float', 'str or a list of numbers', ..."""
     names = []
-    for arm in _arms(kind):
-        element = _element(arm)
-        names.append(_ELEMENTS.get(element, "a list") if element is not None else _NAMES.get(arm, str(arm)))
+    for arm in arms(kind):
+        inner = element(arm)
+        names.append(_ELEMENTS.get(inner, "a list") if inner is not None else _NAMES.get(arm, str(arm)))
     return " or ".join(names)
-
-
-def as_declared(kind: Any, value: Any) -> Any:
-    """An accepted value in its declared type: an integer in a float option becomes that float (what the
-    strategies' `float(...)` did), a list becomes a tuple of its converted elements."""
-    arm = next(arm for arm in _arms(kind) if accepts(arm, value))
-    element = _element(arm)
-    if element is not None:
-        return tuple(as_declared(element, v) for v in value)
-    if arm is float:
-        return float(value)
-    return value
 
 
 @dataclass(frozen=True)
