@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from nestling.config import SimConfig, config_from_dict
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
-from nestling.profiler.traces import DeviceTrace, save_traces
+from nestling.profiler.traces import DeviceTrace
 from nestling.simulator import run as run_module
 from nestling.simulator.reproduce_compute import ComputeMeter, read_compute
 from nestling.simulator.run import run_simulation
@@ -26,33 +26,12 @@ from nestling.simulator.server_time import (
     read_server_time,
     writes_checkpoint,
 )
+from tests.simulator.replay_helpers import replay_config as shared_replay_config
+from tests.simulator.replay_helpers import trace
 
 
-def trace(name: str, gflops: float, **overrides: Any) -> DeviceTrace:
-    fields: dict[str, Any] = {
-        "device_id": name,
-        "device_class": "rpi4",
-        "memory_budget_bytes": 2**30,
-        "up_bps": 1e6,
-        "down_bps": 1e6,
-        "latency_s": 0.01,
-        "gflops": gflops,
-    }
-    return DeviceTrace(**{**fields, **overrides})
-
-
-def replay_config(tmp_path: Path, traces: list[DeviceTrace], fraction: float = 1.0, **run: Any) -> SimConfig:
-    path = tmp_path / "fleet.jsonl"
-    save_traces(traces, path)
-    return config_from_dict(
-        {
-            "run": {"rounds": 3, "eval_every": 1, "workers": 1, "traces": str(path), **run},
-            "data": {"dataset": "digits", "clients": len(traces), "limit_train": 120, "limit_test": 60},
-            "model": {"arch": "tinycnn"},
-            "method": {"name": "fedavg"},
-            "train": {"fraction": fraction, "local_steps": 1, "batch_size": 16},
-        }
-    )
+def replay_config(tmp_path: Path, traces: list[DeviceTrace], rounds: int = 3, **run: Any) -> SimConfig:
+    return shared_replay_config(tmp_path, traces, rounds=rounds, **run)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -13,37 +13,16 @@ import torch
 from nestling.config import SimConfig, config_from_dict
 from nestling.errors import ConfigError
 from nestling.messages import Task
-from nestling.profiler.traces import DeviceTrace, save_traces
+from nestling.profiler.traces import DeviceTrace
 from nestling.simulator import run as run_module
 from nestling.simulator.run import run_simulation
 from nestling.simulator.transport_time import TransportTime, transport_time_for
-
-
-def trace(name: str, gflops: float, **overrides: Any) -> DeviceTrace:
-    fields: dict[str, Any] = {
-        "device_id": name,
-        "device_class": "rpi4",
-        "memory_budget_bytes": 2**30,
-        "up_bps": 1e6,
-        "down_bps": 1e6,
-        "latency_s": 0.01,
-        "gflops": gflops,
-    }
-    return DeviceTrace(**{**fields, **overrides})
+from tests.simulator.replay_helpers import replay_config as shared_replay_config
+from tests.simulator.replay_helpers import trace
 
 
 def replay_config(tmp_path: Path, traces: list[DeviceTrace], rounds: int = 2, **run: Any) -> SimConfig:
-    path = tmp_path / "fleet.jsonl"
-    save_traces(traces, path)
-    return config_from_dict(
-        {
-            "run": {"rounds": rounds, "eval_every": 1, "workers": 1, "traces": str(path), **run},
-            "data": {"dataset": "digits", "clients": len(traces), "limit_train": 120, "limit_test": 60},
-            "model": {"arch": "tinycnn"},
-            "method": {"name": "fedavg"},
-            "train": {"fraction": 1.0, "local_steps": 1, "batch_size": 16},
-        }
-    )
+    return shared_replay_config(tmp_path, traces, rounds=rounds, **run)
 
 
 def timeline(out: Path) -> list[dict[str, Any]]:
