@@ -40,6 +40,10 @@ class HeteroFLOptions(MethodOptions):
     # Comparisons at other sizes pass theirs (examples/reproduce/nefl.toml: NeFL's channel ratios √γ).
     rates: tuple[float, ...] = tuple(RATE_LETTERS.values())
     mix: str | None = None  # rates with client shares, e.g. "a1-b1-c1-d1-e1" (overrides `rates`)
+    # Which contiguous client block takes which of `rates`: "widest-first" (HeteroFL's own: the first clients
+    # train the full width) or "listed" (block k takes rates[k]; a comparison lists them in the order its other
+    # methods give their tiers, so tier k lands on the same clients). A `mix` is always taken as listed.
+    order: str = "widest-first"
     mode: str = "fix"
     masked_ce: bool = False
     static_bn: bool = True
@@ -63,7 +67,13 @@ class HeteroFL(FamilyPlanning, SubmodelStrategy):
             rates = list(self.options.rates)
             if not rates or any(not 0 < r <= 1 for r in rates):
                 raise ConfigError(f"[method] HeteroFL rates must lie in (0, 1], got {rates}")
-            self.mix = [(r, 1 / len(rates)) for r in sorted(rates, reverse=True)]
+            if self.options.order not in ("widest-first", "listed"):
+                raise ConfigError(
+                    f"[method] HeteroFL order must be 'widest-first' or 'listed', got '{self.options.order}'"
+                )
+            if self.options.order == "widest-first":
+                rates = sorted(rates, reverse=True)
+            self.mix = [(r, 1 / len(rates)) for r in rates]
         if self.options.mode not in ("fix", "dynamic"):
             raise ConfigError(f"[method] HeteroFL mode must be 'fix' or 'dynamic', got '{self.options.mode}'")
         rates = sorted({rate for rate, _ in self.mix})

@@ -35,6 +35,10 @@ class ScaleFLOptions(MethodOptions):
     # [[width, depth], ...] below the full model (`nestling plan --method scalefl` prints them), instead of the
     # search over `levels`; checked by scalefl_split.explicit_levels
     grid: tuple[Any, ...] | None = None
+    # "shuffled": equal shares of a seeded permutation of the client indices (the reference setting); "blocks":
+    # contiguous equal blocks by index, smallest level first, as NeFL, FjORD, DepthFL and HeteroFL (`order =
+    # "listed"`) give their tiers, so a comparison puts every method's tier k on the same clients
+    assign: str = "shuffled"
 
 
 @register_strategy
@@ -120,7 +124,15 @@ class ScaleFL(Plannable, SubmodelStrategy):
                     self.model, width=level.width, depth=None if last else level.depth, exits=exits, head=last
                 )
             )
-        order = np.random.default_rng(self.ctx.seed).permutation(self.ctx.num_clients)
+        if self.options.assign not in ("shuffled", "blocks"):
+            raise ConfigError(
+                f"[method] ScaleFL assign must be 'shuffled' or 'blocks', got '{self.options.assign}'"
+            )
+        order = (
+            np.random.default_rng(self.ctx.seed).permutation(self.ctx.num_clients)
+            if self.options.assign == "shuffled"
+            else np.arange(self.ctx.num_clients)
+        )
         self.level_of_index = {
             int(i): min(len(self.specs) - 1, pos * len(self.specs) // self.ctx.num_clients)
             for pos, i in enumerate(order)

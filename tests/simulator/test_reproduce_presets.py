@@ -5,6 +5,7 @@ the notes name are the ones built, and FedTrans's HeteroFL phase derives from Fe
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from nestling.server.strategies.fedtrans import FedTrans
 from nestling.server.strategies.heterofl import HeteroFL
 from nestling.simulator.reproduce import SCALES, known_comparisons, load_comparison
 from nestling.simulator.reproduce_derive import heterofl_on_fedtrans_largest
+from nestling.slicing import shapes_for
+from nestling.spec import SubmodelSpec
 
 
 def _strategy(comparison_name: str, scale: str, label: str, **config_changes: object) -> Strategy:
@@ -161,3 +164,44 @@ def test_the_fedtrans_comparison_runs_both_phases_in_one_command(tmp_path: Path)
     assert f"block_hidden = {largest['block_hidden']}" in heterofl and 'mix = "' in heterofl
     assert "ordering_held=" in last and "fedtrans_clients=" in last
     assert all(r.compute["steps_max"] == 2 for r in runs)
+
+
+def _tier_rank(strategy: Strategy, device: DeviceInfo) -> int:
+    """Which of the method's submodels (ranked by parameter count, smallest 0) the device deploys."""
+    sizes = sorted({_parameters(s) for s in _all_specs(strategy)})
+    return sizes.index(_parameters(strategy.deploy_spec(device, 0)))
+
+
+def _all_specs(strategy: Strategy) -> list[SubmodelSpec]:
+    specs = strategy.specs
+    return list(specs.values()) if isinstance(specs, dict) else list(specs)
+
+
+def _parameters(spec: SubmodelSpec) -> int:
+    return sum(math.prod(shape) for shape in shapes_for(spec).values())
+
+
+@pytest.mark.parametrize(
+    ("comparison_name", "scale"), [("nefl", "small"), ("nefl", "paper"), ("scalefl", "small")]
+)
+def test_every_method_of_a_comparison_gives_tier_k_to_the_same_clients(
+    comparison_name: str, scale: str
+) -> None:
+    """Issue 29 item 5: NeFL's, FjORD's and HeteroFL's tiers (ScaleFL's, HeteroFL's and DepthFL's levels) land on
+    the same clients, smallest first by client index, so a per-tier difference is the method's, not the data's."""
+    comparison = load_comparison(comparison_name, scale)
+    strategies = {m.label: _strategy(comparison_name, scale, m.label) for m in comparison.entries}
+    clients = next(iter(strategies.values())).ctx.num_clients
+    ranks = {
+        label: [_tier_rank(s, DeviceInfo(f"dev-{i:05d}", i, 500)) for i in range(clients)]
+        for label, s in strategies.items()
+    }
+    for label, by_client in ranks.items():  # smallest first, rising with the client index
+        assert by_client[0] == 0 and by_client == sorted(by_client), label
+    tiers = {label: len(_all_specs(s)) for label, s in strategies.items()}
+    most = max(tiers.values())
+    same = [label for label, n in tiers.items() if n == most]
+    assert len(same) >= 2
+    for label in same:  # the methods with as many tiers: tier k on the same clients
+        assert ranks[label] == ranks[same[0]], (label, same[0])
+    # DepthFL has one depth per stage (3 on ResNet-20 against 4 levels): its thirds still rise with the index

@@ -31,6 +31,16 @@ def test_rate_mix_parses_letters_and_shares() -> None:
             parse_rate_mix(bad)
 
 
+def test_rates_go_widest_first_unless_listed_order_is_asked(make_ctx) -> None:
+    rates = [0.25, 0.5, 1.0, 0.125, 0.0625]
+    widest = [heterofl(make_ctx, rates=rates).spec_for(0, d).width for d in devices()]
+    assert widest == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.125, 0.125, 0.0625, 0.0625]
+    listed = [heterofl(make_ctx, rates=rates, order="listed").spec_for(0, d).width for d in devices()]
+    assert listed == [0.25, 0.25, 0.5, 0.5, 1.0, 1.0, 0.125, 0.125, 0.0625, 0.0625]
+    with pytest.raises(ConfigError, match="HeteroFL order must be 'widest-first' or 'listed', got 'up'"):
+        heterofl(make_ctx, order="up")
+
+
 def test_fix_mode_gives_contiguous_client_blocks_their_rate(make_ctx) -> None:
     strategy = heterofl(make_ctx, mix="a1-b1-c1-d1-e1")
     rates = [strategy.spec_for(0, d).width for d in devices()]

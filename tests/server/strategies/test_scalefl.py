@@ -180,6 +180,14 @@ def test_levels_take_equal_shares_of_a_seeded_client_permutation(scalefl: ScaleF
     )
 
 
+def test_blocks_assignment_gives_contiguous_client_blocks_smallest_level_first(scalefl: ScaleFL) -> None:
+    blocks = create_strategy("scalefl", context(options={"assign": "blocks"}))
+    assert isinstance(blocks, ScaleFL)
+    assert [blocks.specs.index(blocks.spec_for(0, d)) for d in devices()] == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ConfigError, match="ScaleFL assign must be 'shuffled' or 'blocks', got 'random'"):
+        create_strategy("scalefl", context(options={"assign": "random"}))
+
+
 # -- §6.b.2, §6.b.3, gradient-aware counts ------------------------------------------------------------------
 def test_all_clients_at_the_top_level_aggregate_to_uniform_fedavg(scalefl: ScaleFL, fake_result) -> None:
     strategy = fresh(scalefl)
