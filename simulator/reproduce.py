@@ -245,6 +245,9 @@ class RunResult:
     wall_seconds: float
     rounds: int
     compute: dict[str, float] = field(default_factory=dict)  # per client-round: steps and training MACs
+    # Results the server's screens refused, by counter. A reproduction has no attacker, so every one is an
+    # honest board refused: the table shows them (issue 29: non-IID presets must never refuse honest boards).
+    refused: dict[str, int] = field(default_factory=dict)
 
 
 def read_run(label: str, seed: int, run_dir: Path, metrics: tuple[str, ...]) -> RunResult:
@@ -275,7 +278,18 @@ def read_run(label: str, seed: int, run_dir: Path, metrics: tuple[str, ...]) -> 
         wall_seconds=float(summary.get("wall_seconds", 0.0)),
         rounds=len(records),
         compute=read_compute(run_dir),
+        refused=refused_counts(records),
     )
+
+
+def refused_counts(records: list[dict[str, Any]]) -> dict[str, int]:
+    """Every `rejected_*` counter of a run's rounds, summed (the counters the screens raise on a refusal)."""
+    total: dict[str, int] = {}
+    for record in records:
+        for key, value in (record.get("counters") or {}).items():
+            if key.startswith("rejected_") and isinstance(value, int) and value:
+                total[key] = total.get(key, 0) + value
+    return dict(sorted(total.items()))
 
 
 # -- judging -----------------------------------------------------------------------------------------------

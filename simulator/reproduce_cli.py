@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import sys
@@ -26,6 +27,8 @@ from nestling.simulator.reproduce import (
     summarise_runs,
 )
 from nestling.simulator.reproduce_report import write_results
+
+log = logging.getLogger(__name__)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -180,6 +183,14 @@ def reproduce(
                 runs.append(
                     read_run(entry.label, seed, out_dir / f"seed-{seed}" / entry.label, comparison.metrics)
                 )
+    for run in runs:
+        if run.refused:
+            log.warning(
+                "%s at seed %d: the server refused honest results %s (a reproduction has no attacker)",
+                run.label,
+                run.seed,
+                run.refused,
+            )
     table = summarise_runs(comparison, runs)
     verdicts = judge(comparison, runs)
     files = write_results(out_dir, comparison, table, verdicts, runs, command)

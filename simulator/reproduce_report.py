@@ -39,6 +39,18 @@ def compute_cells(runs: list[RunResult]) -> tuple[str, str]:
     return cell("steps", lambda v: f"{v:.3g}"), cell("macs", _si)
 
 
+def refused_cell(runs: list[RunResult]) -> str:
+    """'0', or the refusals over a method's runs by counter: '3 (rejected_update_cohort 3)'."""
+    total: dict[str, int] = {}
+    for run in runs:
+        for key, value in run.refused.items():
+            total[key] = total.get(key, 0) + value
+    count = sum(total.values())
+    if not count:
+        return "0"
+    return f"{count} (" + ", ".join(f"{key} {value}" for key, value in sorted(total.items())) + ")"
+
+
 def markdown(
     comparison: Comparison,
     table: dict[str, dict[str, Spread]],
@@ -61,7 +73,7 @@ def markdown(
         + [f"{m} (ours)" for m in comparison.metrics]
         + [f"{m} (paper)" for m in comparison.metrics]
     )
-    tail = ["seeds", "steps / client-round", "train MACs / client-round", "wall min"]
+    tail = ["seeds", "steps / client-round", "train MACs / client-round", "refused", "wall min"]
     lines += ["", "| " + " | ".join([*header, *tail]) + " |", "|" + "---|" * (len(header) + len(tail))]
     for entry in comparison.entries:
         mine = [r for r in runs if r.label == entry.label]
@@ -70,12 +82,16 @@ def markdown(
         cells += [f"{entry.paper[m]:.2f}" if m in entry.paper else "–" for m in comparison.metrics]
         steps, macs = compute_cells(mine)
         own_seeds = ",".join(str(r.seed) for r in sorted(mine, key=lambda r: r.seed)) or "–"
-        lines.append("| " + " | ".join([entry.label, *cells, own_seeds, steps, macs, f"{wall:.1f}"]) + " |")
+        refused = refused_cell(mine)
+        lines.append(
+            "| " + " | ".join([entry.label, *cells, own_seeds, steps, macs, refused, f"{wall:.1f}"]) + " |"
+        )
     lines += [
         "",
         "Compute: optimizer steps each board reported and 3 × forward MACs × samples of the task's model, per "
         "client-round, mean (min–max) over every delivered result (FeDepth's stages over-counted, DynamicFL's "
-        "on-board branches not counted: simulator/reproduce_compute.py).",
+        "on-board branches not counted: simulator/reproduce_compute.py). Refused: results the server's screens "
+        "refused over all seeds, by reason; these runs have no attacker, so any is an honest board refused.",
         "",
         "Claims are judged per seed, paired (same seed = same partition, initial weights and draws), on the seeds "
         "both methods finished: *clear* = ahead on every paired seed and the mean paired margin exceeds the "
@@ -122,6 +138,7 @@ def as_json(
                         "wall_seconds": r.wall_seconds,
                         "rounds": r.rounds,
                         "compute": r.compute,
+                        "refused": r.refused,
                     }
                     for r in runs
                     if r.label == entry.label

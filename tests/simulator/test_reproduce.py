@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -21,10 +22,11 @@ from nestling.simulator.reproduce import (
     known_comparisons,
     load_comparison,
     metric_reader,
+    refused_counts,
     summarise_runs,
 )
 from nestling.simulator.reproduce_cli import reproduce, run_state
-from nestling.simulator.reproduce_report import markdown
+from nestling.simulator.reproduce_report import markdown, refused_cell
 from nestling.simulator.run import run_simulation
 
 TINY = """
@@ -180,6 +182,19 @@ def _runs(finals: dict[str, dict[int, dict[str, float]]]) -> list[RunResult]:
     ]
 
 
+def test_refused_results_are_summed_by_reason_and_shown_in_the_table() -> None:
+    records = [
+        {"round": 0, "counters": {"rejected_update_cohort": 1, "accepted": 9}},
+        {"round": 1, "counters": {}},
+        {"round": 2, "counters": {"rejected_update_cohort": 2, "rejected_update_norm": 1, "stale": 4}},
+    ]
+    assert refused_counts(records) == {"rejected_update_cohort": 3, "rejected_update_norm": 1}
+    runs = _runs({"fedavg": {0: {"worst": 50.0}, 1: {"worst": 51.0}}})
+    assert refused_cell(runs) == "0"
+    runs[1] = dataclasses.replace(runs[1], refused=refused_counts(records))
+    assert refused_cell(runs) == "4 (rejected_update_cohort 3, rejected_update_norm 1)"
+
+
 def test_the_issues_example_is_held_but_not_clear_because_one_seed_disagrees() -> None:
     """Issue 29: nefl-wd > heterofl on worst was +2.21 on the mean (spread 2.00, unpaired) with seed 0 at -0.11."""
     comparison = load_comparison("nefl", "small")
@@ -284,6 +299,9 @@ def test_reproduce_runs_judges_and_skips_finished_runs(tiny_preset: Path, tmp_pa
     assert runs[1].compute["macs_min"] < runs[1].compute["macs_max"]  # heterofl: rates 1 and 1/2
     assert "| 0,1 | 2 |" in markdown and "steps / client-round" in markdown
     assert report["claims"][0]["margins"].keys() == {"0", "1"}
+    # no attacker: nothing refused, and the table and JSON say so per method and run
+    assert all(r.refused == {} for r in runs) and report["methods"]["fedavg"]["runs"][0]["refused"] == {}
+    assert "| refused | wall min |" in markdown
     # seeds differ (their partitions and initial weights do), methods of one seed share the test set
     assert runs[0].final != runs[2].final
     stamp = (out / "seed-0" / "fedavg" / "summary.json").stat().st_mtime_ns
