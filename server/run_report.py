@@ -6,14 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import numpy as np
 
+from nestling.plotting import pyplot
 from nestling.server.plan_summary import summarise_plans
 from nestling.strict_json import strict_dumps
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
@@ -29,6 +26,7 @@ def plot_accuracy(out_dir: Path, title: str) -> Path:
     for record in read_metrics(out_dir):
         for sub in record.get("submodels", []):
             series.setdefault(sub["name"], []).append((record["round"] + 1, sub["accuracy"]))
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     for name, points in series.items():
         xs, ys = zip(*points)

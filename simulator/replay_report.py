@@ -9,13 +9,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.patches import Rectangle
-from matplotlib.ticker import MaxNLocator
-
+from nestling.plotting import pyplot
 from nestling.server.run_report import read_metrics
 from nestling.simulator.replay import read_timeline
 
@@ -45,6 +39,7 @@ def plot_accuracy_vs_time(records: list[dict[str, Any]], path: Path, title: str)
             series[sub["name"]].append((record["virtual_time"], 100 * sub["accuracy"]))
     end = max((r["virtual_time"] for r in records), default=0.0)
     scale, unit = hours_or_seconds(end)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     for name, points in series.items():
         ax.plot([t / scale for t, _ in points], [a for _, a in points], marker="o", markersize=3, label=name)
@@ -60,6 +55,7 @@ def plot_accuracy_vs_time(records: list[dict[str, Any]], path: Path, title: str)
 def plot_round_durations(spans: dict[int, tuple[float, float]], path: Path) -> Path:
     durations = [end - start for start, end in spans.values()]
     scale, unit = hours_or_seconds(max(durations, default=0.0))
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     if durations:
         values = [d / scale for d in durations]
@@ -69,6 +65,8 @@ def plot_round_durations(spans: dict[int, tuple[float, float]], path: Path) -> P
         ax.legend(fontsize=8)
     ax.set_xlabel(f"round duration, first dispatch to close ({unit})")
     ax.set_ylabel("rounds")
+    from matplotlib.ticker import MaxNLocator
+
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"Round durations ({len(durations)} rounds)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
@@ -90,6 +88,7 @@ def class_outcomes(timeline: list[dict[str, Any]], fleet: dict[str, int]) -> dic
 
 def plot_participation(outcomes: dict[str, Counter[str]], path: Path) -> Path:
     classes = list(outcomes)
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 4.4), dpi=120)
     bottom = [0] * len(classes)
     for outcome, colour in OUTCOME_COLOURS.items():
@@ -162,6 +161,7 @@ def plot_gantt(
     )
     start = min((r["dispatched_at"] for r in rows), default=0.0)
     scale, unit = hours_or_seconds(max((r["ends_at"] - start for r in shown), default=0.0))
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9.0, max(3.0, 0.22 * len(shown) + 1.4)), dpi=120)
     for y, row in enumerate(shown):
         t0 = (row["dispatched_at"] - start) / scale
@@ -190,6 +190,8 @@ def plot_gantt(
     ax.set_xlabel(f"virtual time since the round's first dispatch ({unit}); dashed: round closed")
     note = f" ({len(shown)} of {len(rows)}, spread by end time)" if len(rows) > limit else ""
     ax.set_title(f"Round {round_index + 1}: one bar per task{note}", fontsize=10)
+    from matplotlib.patches import Rectangle
+
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
     handles += [
         Rectangle((0, 0), 1, 1, color=OUTCOME_COLOURS["dropped"]),
@@ -204,7 +206,7 @@ def plot_gantt(
 def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from nestling.plotting import pyplot
 from nestling.simulator.reproduce import Comparison, RunResult, Spread, Verdict
 from nestling.strict_json import strict_dumps
 
@@ -165,10 +166,7 @@ def as_json(
 
 def plot(comparison: Comparison, runs: list[RunResult], path: Path) -> Path:
     """Accuracy over rounds per metric: the mean over seeds as a line, min..max over seeds as a band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     metrics = comparison.metrics
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.6), squeeze=False)

@@ -5,16 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from nestling.plotting import pyplot
 
 
 def plot_growth(
     out_dir: Path, models: list[dict[str, Any]], evaluated: list[dict[str, Any]], rounds: int
 ) -> Path:
     """Left: each model at (round born, MACs) with an edge from its parent; right: final test accuracy vs MACs."""
+    plt = pyplot()
     fig, (family, accuracy) = plt.subplots(1, 2, figsize=(10.0, 4.0), dpi=120)
     by_id = {m["id"]: m for m in models}
     for model in models:

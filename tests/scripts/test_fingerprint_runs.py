@@ -51,6 +51,7 @@ def _fingerprint_twice(tmp_path: Path, *args: str) -> list[dict[str, object]]:
     return outputs
 
 
+@pytest.mark.slow  # four `nestling simulate` processes; the comparison logic is tested in-process above
 def test_one_run_fingerprinted_twice_hashes_the_same_weights(tmp_path: Path) -> None:
     first, second = _fingerprint_twice(tmp_path, "--methods", "fedavg", "--no-export", *TINY)
     assert first["tree"] == str(REPO) and re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", str(first["commit"]))

@@ -61,6 +61,9 @@ def test_server_and_five_agents_complete_three_rounds_on_the_embedded_broker(tmp
     assert registry["dev-4"]["memory_budget_bytes"] == 64 * 1024 * 1024
 
 
+# CI runs the same five-agent fleet on the embedded broker below and a mosquitto fleet over TLS
+# (test_a_fleet_runs_over_tls_with_the_generated_broker_config); this one is the plain-mosquitto twin.
+@pytest.mark.slow
 @pytest.mark.mosquitto
 @pytest.mark.skipif(
     mosquitto_binary() is None, reason="mosquitto is not installed (apt-get install mosquitto)"

@@ -52,6 +52,7 @@ def run(tmp_path: Path, name: str, backend: str, workers: int) -> dict[str, torc
     return load_checkpoint(checkpoint)[0]
 
 
+@pytest.mark.slow  # ray is an optional extra; starting its runtime takes ~25 s of a 2-core box
 def test_ray_trains_exactly_what_in_process_trains(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     local = run(tmp_path, "inprocess", "inprocess", workers=1)

@@ -68,7 +68,7 @@ def _shipped_presets() -> list[str]:
 
 # Building these strategies runs ScaleFL's memory-level search over ResNet-56/110 with derived costs (13-31 CPU
 # seconds each): every preset's options are still checked in CI by the test below this one.
-_SLOW_TO_BUILD = {("scalefl", "paper"), ("scalefl-r56.toml", "small")}
+_SLOW_TO_BUILD = {("scalefl", "paper"), ("scalefl-r56.toml", "small"), ("scalefl-kd.toml", "paper")}
 
 
 @pytest.mark.parametrize(
@@ -78,7 +78,11 @@ _SLOW_TO_BUILD = {("scalefl", "paper"), ("scalefl-r56.toml", "small")}
         for name in [*("nefl", "fedepth", "scalefl", "dynamicfl", "fedtrans"), "ablations"]
         for scale in ("small", "paper")
     ]
-    + [pytest.param("scalefl-r56.toml", "small", marks=pytest.mark.slow)],
+    + [
+        pytest.param(name, scale, marks=pytest.mark.slow)
+        for name, scale in sorted(_SLOW_TO_BUILD)
+        if name.endswith(".toml")
+    ],
 )
 def test_every_shipped_preset_builds_each_method_at_each_scale(name: str, scale: str) -> None:
     """A typo in a preset's options must fail here, not after hours of the other methods' training; the
@@ -87,7 +91,7 @@ def test_every_shipped_preset_builds_each_method_at_each_scale(name: str, scale:
     ablations = [p for p in _shipped_presets() if Path(p).parent.name == "ablations"]
     if name == "ablations":
         names = [p for p in ablations if (Path(p).name, scale) not in _SLOW_TO_BUILD]
-        assert len(names) >= 2
+        assert len(names) >= 1
     elif name.endswith(".toml"):
         names = [p for p in ablations if Path(p).name == name]
         assert names, f"no ablation preset {name}"

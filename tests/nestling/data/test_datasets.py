@@ -26,6 +26,21 @@ def test_digits_loads_offline_with_ten_classes_at_16x16() -> None:
     assert "digits: 1438 train / 359 test, 1x16x16" in describe_bundle(bundle)
 
 
+def test_digits_read_from_scikit_learns_csv_are_exactly_what_load_digits_returns(monkeypatch) -> None:
+    from sklearn.datasets import load_digits
+
+    from nestling.data import datasets
+
+    images, targets = datasets._digits_arrays()
+    reference = load_digits()
+    assert np.array_equal(images, reference.images) and np.array_equal(targets, reference.target)
+    assert images.dtype == reference.images.dtype and targets.dtype == np.int64
+    # where this scikit-learn keeps the file elsewhere, its own loader is used: the same arrays
+    monkeypatch.setattr(datasets.Path, "is_file", lambda self: False)
+    again, again_targets = datasets._digits_arrays()
+    assert np.array_equal(again, images) and np.array_equal(again_targets, targets)
+
+
 def test_digits_split_is_stratified_seeded_and_disjoint() -> None:
     first, again, other = (
         load_dataset("digits", seed=3),
