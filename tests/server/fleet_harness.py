@@ -152,7 +152,7 @@ def fleet_toml(
         [fleet]
         devices = {devices}
         heartbeat_timeout_s = 15
-        registration_timeout_s = 120
+        registration_timeout_s = 300  # five agent processes on a busy 2-core box took over 120 s
         {extra_fleet}
         [enrolment]
         {enrolment}

