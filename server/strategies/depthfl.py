@@ -11,6 +11,7 @@ import torch
 from nestling.aggregation import masked_mean
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
+from nestling.models.layers import is_running_statistic
 from nestling.models.zoo import block_infos
 from nestling.server.strategies.base import DeviceInfo, EvalTarget
 from nestling.server.strategies.options import MethodOptions
@@ -87,7 +88,7 @@ class DepthFL(SubmodelStrategy):
         contributions = self.contributions(accepted)
         averaged = masked_mean(self.global_state, contributions)
         for key, mean in averaged.items():
-            if "running_" in key or not mean.is_floating_point():  # BN statistics: plain mean
+            if is_running_statistic(key) or not mean.is_floating_point():  # BN statistics: plain mean
                 self.global_state[key] = mean
                 continue
             count = torch.zeros_like(mean)

@@ -18,7 +18,7 @@ def test_client_term_starts_at_zero_and_updates_h() -> None:
     model = build(SubmodelSpec(ModelConfig("tinycnn", in_channels=1, image_size=16)))
     store = DeviceStore()
     dyn = FedDynTerm(model, store, alpha=0.1)
-    assert float(dyn.penalty()) == 0.0  # θ = θ_global and h = 0
+    assert float(dyn.penalty().detach()) == 0.0  # θ = θ_global and h = 0
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
