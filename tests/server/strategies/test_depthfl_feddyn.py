@@ -22,7 +22,7 @@ def test_client_term_starts_at_zero_and_updates_h() -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    assert float(dyn.penalty()) > 0.0
+    assert float(dyn.penalty().detach()) > 0.0
     dyn.finish()
     for h in store[STORE_KEY].values():
         assert torch.allclose(h, torch.full_like(h, -0.1))  # h ← 0 − α(θ − θ_g) with θ − θ_g = 1
