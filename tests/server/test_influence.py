@@ -26,14 +26,18 @@ def _pair(device: str, claimed: int) -> tuple[Task, Result]:
     return task, result
 
 
-def test_a_consistent_lie_is_capped_at_the_cohort_and_the_share() -> None:
+def test_a_consistent_lie_counts_as_a_typical_board_and_within_the_share() -> None:
     pairs = [_pair("liar", 10**9)] + [_pair(f"d{i}", 180) for i in range(9)]
     bounded = bound_influence(pairs, [10**9] + [180] * 9, 3.0, 0.3)
     kept = [r.num_samples for _, r in bounded.accepted]
-    assert kept[0] == 540 and kept[1:] == [180] * 9  # 3 x the fleet's median (the liar does not move it)
-    assert kept[0] / sum(kept) <= 0.3
+    assert kept[0] == 180 and kept[1:] == [180] * 9  # the fleet's median (the liar does not move it)
     claimed, samples, why = bounded.changed["t-liar"]
-    assert (claimed, samples) == (10**9, 540) and "median registered" in why
+    assert (claimed, samples) == (10**9, 180) and "counted as that median" in why
+    # a claim at the bound is still believed: only what no honest board of the presets reaches is not
+    at_bound = bound_influence([_pair("big", 540)] + pairs[1:], [540] + [180] * 9, 3.0, 0.3)
+    assert at_bound.changed == {}
+    over = bound_influence([_pair("big", 541)] + pairs[1:], [541] + [180] * 9, 3.0, 0.3)
+    assert over.accepted[0][1].num_samples == 180
     assert bounded.accepted[1][1] is pairs[1][1]  # honest results are the very objects they were
 
 
