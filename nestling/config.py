@@ -126,6 +126,9 @@ class RunSection:
     divergence_guard: bool = True  # roll back a round that left the model non-finite or exploded
     divergence_factor: float = 1000.0
     quarantine_rounds: int = 3  # rounds the devices of a rolled-back round are not selected
+    # A board the cohort screen refused in 2 of its last 3 judged rounds is not selected for this many rounds,
+    # doubled each time it happens again (server/strikes.py; 0: never set aside).
+    strike_rounds: int = 5
     # refuse an update whose cosine with the mean of the round's other updates is below this and an outlier
     # among the round's cosines (server/screening.py). -1 (the default): off, honest non-IID boards can point
     # against the others (issue 29); 0 suits IID fleets.
@@ -211,6 +214,7 @@ class SimConfig:
             ),
             (self.run.divergence_factor > 1, "[run] divergence_factor must be > 1"),
             (self.run.quarantine_rounds >= 0, "[run] quarantine_rounds must be >= 0"),
+            (self.run.strike_rounds >= 0, "[run] strike_rounds must be >= 0 (0: off)"),
             (
                 self.run.max_sample_factor == 0 or self.run.max_sample_factor >= 1,
                 "[run] max_sample_factor must be >= 1 (0: off)",

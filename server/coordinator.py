@@ -134,6 +134,7 @@ class Coordinator:
             self.admission.refused_tasks - {result.task_id for _, result in accepted}
         )
         accepted = self.admission.screen(round_index, accepted, counters)
+        struck = self._set_aside(round_index, counters)
         closed_at = self.clock.now()
         self.transport.cancel(round_index)
         self.refusals.flush()
@@ -157,7 +158,9 @@ class Coordinator:
             dispatched_at=dispatched_at,
             closed_at=closed_at,
             rolled_back=rolled_back,
-            quarantined=quarantined,
+            quarantined=sorted({*quarantined, *struck}),
+            cohort_screen=self.admission.cohort_verdicts,
+            set_aside={d: self.guard.quarantine[d] for d in sorted({*quarantined, *struck})},
             method=self.strategy.round_report(round_index, accepted if aggregated else []),
             plans=plans,
             replans=replans,
@@ -206,6 +209,21 @@ class Coordinator:
                 break
         return accepted, spent
 
+    def _set_aside(self, round_index: int, counters: Counter[str]) -> list[str]:
+        """Boards the cohort screen refused in 2 of their last 3 judged rounds are not selected for a while
+        (server/strikes.py); their names."""
+        aside = self.admission.aside
+        for device, first in sorted(aside.items()):
+            counters["set_aside_by_strikes"] += 1
+            log.warning(
+                "round %d: %s was refused by the cohort screen in 2 of its last 3 judged rounds; "
+                "not selected before round %d",
+                round_index,
+                device,
+                first,
+            )
+        return self.guard.set_aside(round_index, aside, "refused by the cohort screen") if aside else []
+
     def _apply(
         self, round_index: int, accepted: Pairs, received: int, quorum: int, counters: Counter[str]
     ) -> tuple[Pairs, bool, int | None, list[str]]:
@@ -241,6 +259,7 @@ class Coordinator:
         """Continue after the newest complete checkpoint; metrics of later, unfinished rounds are dropped."""
         self.start_round, kept = self.recorder.resume()
         self.admission.restore(kept)  # the screening's look back, as the uninterrupted run had it
+        self.guard.restore(kept)  # and who was set aside until when
         return self.start_round
 
     def run(self) -> list[RoundRecord]:

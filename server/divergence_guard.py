@@ -123,6 +123,21 @@ class DivergenceGuard:
         self._before_last = self._last_applied = self._scale = None
         return previous, self.quarantine_devices(round_index, devices)
 
+    def set_aside(self, round_index: int, until: dict[str, int], why: str) -> list[str]:
+        """Skip each device until its round (boards the cohort screen kept refusing, server/strikes.py)."""
+        for name, first in until.items():
+            self.quarantine[name] = max(first, self.quarantine.get(name, -1))
+            self.quarantine_log.append(
+                {"round": round_index, "devices": [name], "until_round": first, "why": why}
+            )
+        return sorted(until)
+
+    def restore(self, records: Iterable[dict[str, Any]]) -> None:
+        """The quarantine as an uninterrupted run had it, from the metrics of the rounds a resume keeps."""
+        for record in records:
+            for name, first in (record.get("set_aside") or {}).items():
+                self.quarantine[name] = max(int(first), self.quarantine.get(name, -1))
+
     def quarantine_devices(self, round_index: int, devices: Iterable[str]) -> list[str]:
         """Skip these devices for the policy's quarantine_rounds rounds after this one; their names, sorted."""
         names = sorted(devices)

@@ -25,6 +25,7 @@ from nestling.server.screening import (
     absolute_reason,
 )
 from nestling.server.strategies.base import DeviceInfo, Strategy
+from nestling.server.strikes import StrikeRecord
 
 Pairs = list[tuple[Task, Result]]
 
@@ -51,6 +52,10 @@ class ResultAdmission:
         self.judged: set[str] = set()  # boards whose result reached validation this round
         self.non_finite: set[str] = set()  # ... and of those, the ones whose tensors were NaN/Inf
         self.workspace = UpdateWorkspace()  # the round's flat updates, in buffers reused across rounds
+        self.strikes = StrikeRecord(robust.strike_rounds)  # the cohort screen's verdicts per board
+        # This round's cohort-screen verdicts (judged and refused device ids) and the boards set aside for them
+        self.cohort_verdicts: dict[str, list[str]] = {}
+        self.aside: dict[str, int] = {}
         self._global_layout: GlobalLayout | None = None
 
     def new_round(self, available: list[DeviceInfo], selected: list[DeviceInfo], tasks: int) -> None:
@@ -59,6 +64,7 @@ class ResultAdmission:
         self.registered = {d.device_id: d for d in selected}
         self.updates, self.judged, self.non_finite = {}, set(), set()
         self.refused_tasks = set()
+        self.cohort_verdicts, self.aside = {}, {}
         self.workspace.new_round(tasks)
 
     def wire_refused(self, device_id: str, reason: str) -> None:
@@ -140,8 +146,12 @@ class ResultAdmission:
             max(self.recent_rms) if self.recent_rms else None,
             self._layout,
             self.cohort,
+            self.strikes,
         )
         accepted, self.round_rms = screen.run(round_index, accepted, counters)
+        if screen.judged:
+            self.cohort_verdicts = {"judged": screen.judged, "refused": screen.struck}
+        self.aside = screen.aside
         self.seconds += time.perf_counter() - started
         return accepted
 
@@ -151,11 +161,15 @@ class ResultAdmission:
             self.recent_rms.append(self.round_rms)
 
     def restore(self, records: Iterable[dict[str, Any]]) -> None:
-        """The look back as an uninterrupted run had it, from the metrics of the rounds a resume keeps."""
+        """The look back and each board's cohort-screen record as an uninterrupted run had them, from the metrics
+        of the rounds a resume keeps."""
         for record in records:
             rms = record.get("update_rms")
             if record.get("aggregated") and isinstance(rms, (int, float)) and math.isfinite(rms):
                 self.recent_rms.append(float(rms))
+            verdicts = record.get("cohort_screen") or {}
+            if verdicts.get("judged"):
+                self.strikes.judge(int(record["round"]), verdicts["judged"], set(verdicts.get("refused", [])))
 
     def _layout(self) -> GlobalLayout:
         """The global model's flat layout the direction screen compares nested updates in (cached per shapes)."""

@@ -8,7 +8,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 
 from nestling.messages import Result, Task
@@ -29,6 +29,7 @@ from nestling.server.screening import (
     update_size,
 )
 from nestling.server.statistics_cohort import cohort_outliers
+from nestling.server.strikes import StrikeRecord
 from nestling.server.update_cohort import COHORT_MIN
 from nestling.server.update_cohort import cohort_outliers as update_cohort_outliers
 
@@ -52,6 +53,12 @@ class RoundScreen:
     recent: float | None
     layout: Callable[[], GlobalLayout]
     cohort: list[int]
+    strikes: StrikeRecord
+    # What the cohort screen judged this round (device ids, for the round's record) and who it set aside
+    # (device -> first round it may be selected again).
+    judged: list[str] = field(default_factory=list)
+    struck: list[str] = field(default_factory=list)
+    aside: dict[str, int] = field(default_factory=dict)
 
     def run(self, round_index: int, accepted: Pairs, counters: Counter[str]) -> tuple[Pairs, float | None]:
         """Refuse updates far outside the round's distribution (their trained weights' size and, when enabled,
@@ -101,6 +108,9 @@ class RoundScreen:
             verdict = update_cohort_outliers(updates)
             for index, why in verdict.refused.items():
                 turned.setdefault(index, ("rejected_update_cohort", why))
+            self.judged = sorted(accepted[i][1].device_id for i in verdict.judged)
+            self.struck = sorted(accepted[i][1].device_id for i in verdict.refused)
+            self.aside = self.strikes.judge(round_index, self.judged, set(self.struck))
             if verdict.unjudged:
                 log.debug(
                     "round %d: cohort screen skipped submodels with too few updates (elements: updates) %s",

@@ -52,6 +52,11 @@ class RoundRecord:
     # whose updates it applied, now skipped for [run] quarantine_rounds rounds.
     rolled_back: int | None = None
     quarantined: list[str] = field(default_factory=list)
+    # The cohort update screen's verdicts (device ids it judged and refused; server/strikes.py keeps each board's
+    # record of them) and the boards set aside this round (device -> first round it may be selected again),
+    # for rollbacks and strikes alike. Left out of metrics.jsonl when empty.
+    cohort_screen: dict[str, list[str]] = field(default_factory=dict)
+    set_aside: dict[str, int] = field(default_factory=dict)
     method: dict[str, Any] = field(
         default_factory=dict
     )  # what the strategy reports of the round (round_report)

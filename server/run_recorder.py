@@ -76,7 +76,7 @@ class RunRecorder:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         line = asdict(record)
-        for key in ("plans", "replans"):  # runs without profiled boards keep their metrics as they were
+        for key in ("plans", "replans", "cohort_screen", "set_aside"):  # left out when empty
             if not line[key]:
                 del line[key]
         if line["update_rms"] is None:

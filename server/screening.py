@@ -82,6 +82,7 @@ class RobustPolicy:
         1e3  # the global model's largest |weight| may grow at most this much in one round
     )
     quarantine_rounds: int = 3  # rounds a device whose update was rolled back is not selected
+    strike_rounds: int = 5  # rounds a board the cohort screen keeps refusing is set aside (server/strikes.py)
     min_update_cosine: float = (
         -1.0  # refuse updates pointing against the others' mean (and off the round's); -1: off (issue 29)
     )
@@ -106,6 +107,7 @@ class RobustPolicy:
             (0.0 <= self.trim_fraction < 0.5, "trim_fraction must be in [0, 0.5)"),
             (self.divergence_factor > 1, "divergence_factor must be > 1"),
             (self.quarantine_rounds >= 0, "quarantine_rounds must be >= 0"),
+            (self.strike_rounds >= 0, "strike_rounds must be >= 0 (0: off)"),
             (-1.0 <= self.min_update_cosine < 1.0, "min_update_cosine must be in [-1, 1) (-1: off)"),
             (self.max_sample_factor is None or self.max_sample_factor >= 1, "max_sample_factor must be >= 1"),
             (
@@ -132,6 +134,7 @@ def robust_policy(run: RunSection) -> RobustPolicy:
         divergence_guard=run.divergence_guard,
         divergence_factor=run.divergence_factor,
         quarantine_rounds=run.quarantine_rounds,
+        strike_rounds=run.strike_rounds,
         min_update_cosine=run.min_update_cosine,
         max_sample_factor=run.max_sample_factor or None,
         max_weight_share=run.max_weight_share or None,

@@ -44,9 +44,12 @@ Signature = tuple[tuple[str, tuple[int, ...]], ...]
 
 @dataclass
 class CohortVerdict:
-    """Index -> reason for each refused update, and the cohorts too small to judge (submodel size -> count)."""
+    """Index -> reason for each refused update, the updates of cohorts that had a consensus to judge them by
+    (refused or not: server/strikes.py keeps each board's record of them), and the cohorts too small to judge
+    (submodel size -> count)."""
 
     refused: dict[int, str] = field(default_factory=dict)
+    judged: set[int] = field(default_factory=set)
     unjudged: dict[int, int] = field(default_factory=dict)
 
 
@@ -67,8 +70,11 @@ def cohort_outliers(updates: list[FlatUpdate]) -> CohortVerdict:
             size = updates[members[0]].size.elements
             verdict.unjudged[size] = verdict.unjudged.get(size, 0) + len(members)
             continue
-        judged = list(zip(members, core_cosines([updates[i] for i in members]), strict=True))
-        verdict.refused.update(_outliers([(i, c) for i, c in judged if c is not None]))
+        cosines = list(zip(members, core_cosines([updates[i] for i in members]), strict=True))
+        refused = _outliers([(i, c) for i, c in cosines if c is not None])
+        if refused is not None:
+            verdict.refused.update(refused)
+            verdict.judged.update(i for i, c in cosines if c is not None)
     return verdict
 
 
@@ -90,7 +96,9 @@ def core_cosines(cohort: list[FlatUpdate]) -> list[float | None]:
         return everyone
     threshold = ranked[(len(ranked) - 1) // 2]  # the upper half, the median included
     core = [c is not None and c >= threshold for c in everyone]
-    return _cosines_with(rows, _sum([row for row, inside in zip(rows, core, strict=True) if inside]), squares, core)
+    return _cosines_with(
+        rows, _sum([row for row, inside in zip(rows, core, strict=True) if inside]), squares, core
+    )
 
 
 def _sum(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -142,11 +150,12 @@ def cut(values: list[float]) -> float | None:
     return min(FLOOR, centre - SPREADS * spread)
 
 
-def _outliers(judged: list[tuple[int, float]]) -> dict[int, str]:
+def _outliers(judged: list[tuple[int, float]]) -> dict[int, str] | None:
+    """The refused of one cohort; None when it was not judged (no consensus, or a majority would be refused)."""
     values = [c for _, c in judged]
     bound = cut(values)
     if bound is None:
-        return {}
+        return None
     centre = median(values)
     refused = {
         i: f"update cosine {c:+.3f} with its cohort's core below {bound:+.3f} "
@@ -154,4 +163,4 @@ def _outliers(judged: list[tuple[int, float]]) -> dict[int, str]:
         for i, c in judged
         if c < bound
     }
-    return refused if 2 * len(refused) < len(values) else {}
+    return refused if 2 * len(refused) < len(values) else None

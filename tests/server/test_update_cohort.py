@@ -30,6 +30,7 @@ def test_a_sign_flip_and_noise_are_refused_in_an_agreeing_cohort_honest_boards_a
         vectors = [bad, *honest]
         verdict = cohort_outliers([update(v) for v in vectors])
         assert list(verdict.refused) == [0] and "below" in verdict.refused[0]
+        assert verdict.judged == set(range(len(vectors)))  # every board's record counts this round
     assert cohort_outliers([update(v) for v in honest]).refused == {}
 
 
