@@ -6,9 +6,11 @@ can point against the others. This screen judges each update against the other u
 mean of the cohort's core (the half that agrees best with the others; `core_cosines`), and refuses it when
 that cosine is
 
-* below FLOOR (it does not move the model the way the others do: on IID digits a sign flip sits at -0.91..-0.54,
-  label-flipped training at -0.41..+0.06 after its first round and noise at -0.02..+0.03, against round
-  medians of +0.56..+0.91), and
+* below FLOOR, 0.5 (an update within 60 degrees of its cohort is never refused; on IID digits a sign flip sits
+  at -0.91..-0.54, label-flipped training at -0.41..+0.06 after its first rounds and noise at -0.02..+0.03,
+  against round medians of +0.56..+0.91. In its first rounds a label-flipped update still points downhill with
+  everyone, +0.3..+0.5 against medians of +0.8..+0.9: a floor of 0.2 let it through there, where it did most
+  of its harm, and 0.5 refuses it in those of them where it is 8 deviations out), and
 * more than SPREADS robust deviations below the cohort's median cosine (the deviations' median, at least
   MIN_SPREAD each), and
 * in a cohort whose median cosine is at least CONSENSUS, refusing at most a minority.
@@ -34,7 +36,7 @@ import torch
 from nestling.server.flat_updates import FlatUpdate
 
 COHORT_MIN = 5  # fewer updates of one submodel in a round: not judged (one bad board among 4 sets the median)
-FLOOR = 0.2  # an update must point less along its cohort than this to be refused
+FLOOR = 0.5  # an update must point less along its cohort than this (60 degrees) to be refused
 SPREADS = 8.0  # ... and be this many robust deviations below the cohort's median cosine
 MIN_SPREAD = 0.05  # a deviation counts at least this (a few closely agreeing boards: the MAD is near 0)
 CONSENSUS = 0.4  # below this median cosine a cohort has no common direction to defend
