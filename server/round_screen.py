@@ -105,7 +105,10 @@ class RoundScreen:
             for index, why in direction_outliers(cosines, self.robust).items():
                 turned[index] = ("rejected_update_direction", why)
         if self.robust.cohort_screen:
-            verdict = update_cohort_outliers(updates)
+            probation = frozenset(
+                i for i, (_, result) in enumerate(accepted) if self.strikes.on_probation(result.device_id)
+            )
+            verdict = update_cohort_outliers(updates, probation)
             for index, why in verdict.refused.items():
                 turned.setdefault(index, ("rejected_update_cohort", why))
             self.judged = sorted(accepted[i][1].device_id for i in verdict.judged)

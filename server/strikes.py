@@ -9,8 +9,9 @@ round after round where honest boards never are (the honest runs of every method
 nothing, tests/simulator/test_robust_runs.py).
 
 So a board refused by the cohort screen in STRIKES of its last WINDOW judged rounds (rounds where its cohort
-had a consensus to judge it by) is not selected for `rounds` rounds, doubled each time it happens again, and
-its record starts over when it returns. An honest board would need two refusals in three judged rounds; over
+had a consensus to judge it by) is not selected for `rounds` rounds, doubled each time it happens again; its
+record starts over when it returns, and from then on it is on probation: the cohort screen refuses its updates
+at half the distance from the cohort's median (server/update_cohort.py, PROBATION_SPREADS). An honest board would need two refusals in three judged rounds; over
 the 1,100 honest board-rounds measured for issue 25 the screen refused none.
 """
 
@@ -31,6 +32,10 @@ class StrikeRecord:
     rounds: int  # first time aside, in rounds (0: never set aside)
     history: dict[str, deque[bool]] = field(default_factory=dict)
     times: Counter[str] = field(default_factory=Counter)
+
+    def on_probation(self, device: str) -> bool:
+        """Set aside before: the cohort screen holds it to a closer cut (update_cohort.PROBATION_SPREADS)."""
+        return self.times[device] > 0
 
     def judge(self, round_index: int, judged: Iterable[str], refused: set[str]) -> dict[str, int]:
         """Note one round's verdicts; the boards set aside now, each with the first round it may train again."""

@@ -39,6 +39,12 @@ COHORT_MIN = 5  # fewer updates of one submodel in a round: not judged (one bad 
 FLOOR = 0.5  # an update must point less along its cohort than this (60 degrees) to be refused
 SPREADS = 8.0  # ... and be this many robust deviations below the cohort's median cosine
 MIN_SPREAD = 0.05  # a deviation counts at least this (a few closely agreeing boards: the MAD is near 0)
+# Boards on probation (set aside before for being refused, server/strikes.py) are refused this many deviations
+# below the median. A label flipper back from its time aside passed its first round late in a 20-round run, where
+# honest updates spread out and 8 deviations reach far, and that one round took FedAvg on digits from 70 % to 51 %.
+# Honest boards reach 5.3 deviations at most, but an honest board is never on probation: it would have had to be
+# refused twice in three judged rounds first.
+PROBATION_SPREADS = 4.0
 CONSENSUS = 0.4  # below this median cosine a cohort has no common direction to defend
 
 Signature = tuple[tuple[str, tuple[int, ...]], ...]
@@ -60,8 +66,9 @@ def signature(update: FlatUpdate) -> Signature:
     return tuple(sorted(zip(update.keys, update.shapes, strict=True)))
 
 
-def cohort_outliers(updates: list[FlatUpdate]) -> CohortVerdict:
-    """The refusals of one round: each cohort's updates against the mean of its core (`core_cosines`)."""
+def cohort_outliers(updates: list[FlatUpdate], probation: frozenset[int] = frozenset()) -> CohortVerdict:
+    """The refusals of one round: each cohort's updates against the mean of its core (`core_cosines`); the
+    updates at the indices `probation` are held to PROBATION_SPREADS."""
     verdict = CohortVerdict()
     cohorts: dict[Signature, list[int]] = {}
     for i, update in enumerate(updates):
@@ -73,7 +80,7 @@ def cohort_outliers(updates: list[FlatUpdate]) -> CohortVerdict:
             verdict.unjudged[size] = verdict.unjudged.get(size, 0) + len(members)
             continue
         cosines = list(zip(members, core_cosines([updates[i] for i in members]), strict=True))
-        refused = _outliers([(i, c) for i, c in cosines if c is not None])
+        refused = _outliers([(i, c) for i, c in cosines if c is not None], probation)
         if refused is not None:
             verdict.refused.update(refused)
             verdict.judged.update(i for i, c in cosines if c is not None)
@@ -141,7 +148,7 @@ def _in_order(update: FlatUpdate, like: FlatUpdate) -> torch.Tensor:
     return torch.cat([update.vector[a : a + n] for a, n in (where[key] for key in like.keys)])
 
 
-def cut(values: list[float]) -> float | None:
+def cut(values: list[float], spreads: float = SPREADS) -> float | None:
     """The cosine below which an update of this cohort is refused (None: no consensus, nothing is)."""
     if not values:  # no update had a direction (all zero or non-finite): nothing to judge by
         return None
@@ -149,20 +156,22 @@ def cut(values: list[float]) -> float | None:
     if centre < CONSENSUS:
         return None
     spread = max(median(abs(c - centre) for c in values), MIN_SPREAD)
-    return min(FLOOR, centre - SPREADS * spread)
+    return min(FLOOR, centre - spreads * spread)
 
 
-def _outliers(judged: list[tuple[int, float]]) -> dict[int, str] | None:
+def _outliers(judged: list[tuple[int, float]], probation: frozenset[int]) -> dict[int, str] | None:
     """The refused of one cohort; None when it was not judged (no consensus, or a majority would be refused)."""
     values = [c for _, c in judged]
-    bound = cut(values)
-    if bound is None:
+    bound, strict = cut(values), cut(values, PROBATION_SPREADS)
+    if bound is None or strict is None:
         return None
     centre = median(values)
-    refused = {
-        i: f"update cosine {c:+.3f} with its cohort's core below {bound:+.3f} "
-        f"(cohort of {len(values)}, median {centre:+.3f})"
-        for i, c in judged
-        if c < bound
-    }
+    refused = {}
+    for i, c in judged:
+        limit = strict if i in probation else bound
+        if c < limit:
+            refused[i] = (
+                f"update cosine {c:+.3f} with its cohort's core below {limit:+.3f} "
+                f"(cohort of {len(values)}, median {centre:+.3f}{', on probation' if i in probation else ''})"
+            )
     return refused if 2 * len(refused) < len(values) else None

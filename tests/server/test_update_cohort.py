@@ -34,6 +34,19 @@ def test_a_sign_flip_and_noise_are_refused_in_an_agreeing_cohort_honest_boards_a
     assert cohort_outliers([update(v) for v in honest]).refused == {}
 
 
+def test_a_board_on_probation_is_refused_at_half_the_distance_from_the_median() -> None:
+    cosines_like = cohort(9, spread=0.8)
+    honest = [update(v) for v in cosines_like]
+    # an update partly along the cohort: under the usual cut's 8 deviations, over probation's 4
+    shared = torch.stack(cosines_like).mean(dim=0)
+    noise = torch.randn(64, generator=torch.Generator().manual_seed(7)) * shared.norm() / 8
+    doubtful = update(0.5 * shared + noise)  # cosine +0.36 against a median of +0.70: 6.7 deviations
+    assert cohort_outliers([doubtful, *honest]).refused == {}
+    verdict = cohort_outliers([doubtful, *honest], probation=frozenset({0}))
+    assert list(verdict.refused) == [0] and "on probation" in verdict.refused[0]
+    assert cohort_outliers([*honest, doubtful], probation=frozenset({0})).refused == {}  # honest 0: unmoved
+
+
 def test_small_cohorts_are_not_judged_and_say_so() -> None:
     honest = cohort(COHORT_MIN - 2)
     vectors = [-honest[0], *honest]
