@@ -11,7 +11,8 @@ nothing, tests/simulator/test_robust_runs.py).
 So a board refused by the cohort screen in STRIKES of its last WINDOW judged rounds (rounds where its cohort
 had a consensus to judge it by) is not selected for `rounds` rounds, doubled each time it happens again; its
 record starts over when it returns, and from then on it is on probation: the cohort screen refuses its updates
-at half the distance from the cohort's median (server/update_cohort.py, PROBATION_SPREADS). An honest board would need two refusals in three judged rounds; over
+at half the distance from the cohort's median (server/update_cohort.py, PROBATION_SPREADS), and in rounds it
+cannot judge them (no consensus, or too few updates of its submodel) does not take them at all. An honest board would need two refusals in three judged rounds; over
 the 1,100 honest board-rounds measured for issue 25 the screen refused none.
 """
 

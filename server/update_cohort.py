@@ -78,13 +78,27 @@ def cohort_outliers(updates: list[FlatUpdate], probation: frozenset[int] = froze
         if len(members) < COHORT_MIN:
             size = updates[members[0]].size.elements
             verdict.unjudged[size] = verdict.unjudged.get(size, 0) + len(members)
+            verdict.refused.update(_unproven(members, probation, f"a cohort of {len(members)}"))
             continue
         cosines = list(zip(members, core_cosines([updates[i] for i in members]), strict=True))
         refused = _outliers([(i, c) for i, c in cosines if c is not None], probation)
         if refused is not None:
             verdict.refused.update(refused)
             verdict.judged.update(i for i, c in cosines if c is not None)
+        else:
+            verdict.refused.update(_unproven(members, probation, "a cohort without consensus"))
     return verdict
+
+
+def _unproven(members: list[int], probation: frozenset[int], why: str) -> dict[int, str]:
+    """Boards on probation in a cohort that cannot be judged: refused, they have nothing to show they changed.
+    Late in a run honest updates spread out and a round's median cosine falls under CONSENSUS; a label flipper
+    back from its time aside passed exactly such a round (the last of 20) unjudged."""
+    return {
+        i: f"on probation (set aside before for the cohort screen's refusals) in {why}: not judged, not taken"
+        for i in members
+        if i in probation
+    }
 
 
 def core_cosines(cohort: list[FlatUpdate]) -> list[float | None]:

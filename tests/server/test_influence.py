@@ -34,9 +34,9 @@ def test_a_consistent_lie_counts_as_a_typical_board_and_within_the_share() -> No
     claimed, samples, why = bounded.changed["t-liar"]
     assert (claimed, samples) == (10**9, 180) and "counted as that median" in why
     # a claim at the bound is still believed: only what no honest board of the presets reaches is not
-    at_bound = bound_influence([_pair("big", 540)] + pairs[1:], [540] + [180] * 9, 3.0, 0.3)
+    at_bound = bound_influence([_pair("big", 540), *pairs[1:]], [540] + [180] * 9, 3.0, 0.3)
     assert at_bound.changed == {}
-    over = bound_influence([_pair("big", 541)] + pairs[1:], [541] + [180] * 9, 3.0, 0.3)
+    over = bound_influence([_pair("big", 541), *pairs[1:]], [541] + [180] * 9, 3.0, 0.3)
     assert over.accepted[0][1].num_samples == 180
     assert bounded.accepted[1][1] is pairs[1][1]  # honest results are the very objects they were
 

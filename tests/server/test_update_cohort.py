@@ -45,6 +45,14 @@ def test_a_board_on_probation_is_refused_at_half_the_distance_from_the_median() 
     verdict = cohort_outliers([doubtful, *honest], probation=frozenset({0}))
     assert list(verdict.refused) == [0] and "on probation" in verdict.refused[0]
     assert cohort_outliers([*honest, doubtful], probation=frozenset({0})).refused == {}  # honest 0: unmoved
+    # a round that cannot judge it (no consensus, or too few updates of its submodel) does not take its update
+    generator = torch.Generator().manual_seed(3)
+    skewed = [update(torch.randn(64, generator=generator)) for _ in range(10)]  # nobody agrees: no consensus
+    assert cohort_outliers(skewed).refused == {} and cohort_outliers(skewed).judged == set()
+    unjudged = cohort_outliers(skewed, probation=frozenset({7}))
+    assert list(unjudged.refused) == [7] and "not judged, not taken" in unjudged.refused[7]
+    few = cohort_outliers(honest[: COHORT_MIN - 1], probation=frozenset({1}))
+    assert list(few.refused) == [1] and few.judged == set()
 
 
 def test_small_cohorts_are_not_judged_and_say_so() -> None:
