@@ -102,6 +102,7 @@ def test_divergence_signs_make_bf16_unsafe_whatever_the_accuracy(bf16: Outcome, 
     assert figures.trouble() == [trouble] and not figures.safe(tolerance=100.0)
 
 
+@pytest.mark.slow  # 20 s of training; the verdict rule is tested in-process above, --help runs in CI
 def test_one_method_for_one_round_prints_the_verdict_line_last() -> None:
     lines = run_benchmark("precision_parity", "--quick", "--methods", "fjord", "--rounds", "1", timeout=900)
     assert any(line.startswith("rule: safe = ") for line in lines)

@@ -64,18 +64,18 @@ def test_boards_with_capacity_expand_and_upload_the_plain_model(protocol: str, t
 
 def test_a_resumed_run_keeps_each_boards_structure(tmp_path: Path) -> None:
     """The structure ζ_i and salience live in the device store, which simulator checkpoints carry."""
-    cfg = _config("dynamicfl", rounds=3)
+    cfg = _config("dynamicfl", rounds=2)
     straight = run_simulation(cfg, tmp_path / "straight")
 
     class Stop(Exception):
         pass
 
-    def stop_after_round_1(record: Any) -> None:
-        if record.round == 1:
+    def stop_after_round_0(record: Any) -> None:
+        if record.round == 0:
             raise Stop
 
     with pytest.raises(Stop):
-        run_simulation(cfg, tmp_path / "resumed", on_round=stop_after_round_1)
+        run_simulation(cfg, tmp_path / "resumed", on_round=stop_after_round_0)
     resumed = run_simulation(cfg, tmp_path / "resumed", resume=True)
     a, b = _final_state(tmp_path / "straight"), _final_state(tmp_path / "resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
