@@ -10,9 +10,10 @@ nothing, tests/simulator/test_robust_runs.py).
 
 So a board refused by the cohort screen in STRIKES of its last WINDOW judged rounds (rounds where its cohort
 had a consensus to judge it by) is not selected for `rounds` rounds, doubled each time it happens again; its
-record starts over when it returns, and from then on it is on probation: the cohort screen refuses its updates
-at half the distance from the cohort's median (server/update_cohort.py, PROBATION_SPREADS), and in rounds it
-cannot judge them (no consensus, or too few updates of its submodel) does not take them at all. An honest board would need two refusals in three judged rounds; over
+record starts over when it returns, and it is on probation until WINDOW judged rounds in a row find nothing
+against it: the cohort screen refuses its updates at half the distance from the cohort's median
+(server/update_cohort.py, PROBATION_SPREADS), and in rounds it cannot judge them (no consensus, or too few
+updates of its submodel) does not take them at all. An honest board would need two refusals in three judged rounds; over
 the 1,100 honest board-rounds measured for issue 25 the screen refused none.
 """
 
@@ -33,10 +34,12 @@ class StrikeRecord:
     rounds: int  # first time aside, in rounds (0: never set aside)
     history: dict[str, deque[bool]] = field(default_factory=dict)
     times: Counter[str] = field(default_factory=Counter)
+    # device on probation -> judged rounds in a row it has passed since it came back
+    probation: dict[str, int] = field(default_factory=dict)
 
     def on_probation(self, device: str) -> bool:
-        """Set aside before: the cohort screen holds it to a closer cut (update_cohort.PROBATION_SPREADS)."""
-        return self.times[device] > 0
+        """Set aside before and not yet cleared: the cohort screen holds it to a closer cut."""
+        return device in self.probation
 
     def judge(self, round_index: int, judged: Iterable[str], refused: set[str]) -> dict[str, int]:
         """Note one round's verdicts; the boards set aside now, each with the first round it may train again."""
@@ -44,8 +47,14 @@ class StrikeRecord:
         for device in sorted(set(judged)):
             record = self.history.setdefault(device, deque(maxlen=WINDOW))
             record.append(device in refused)
+            if device in self.probation:
+                passed = 0 if device in refused else self.probation[device] + 1
+                self.probation[device] = passed
+                if passed >= WINDOW:
+                    del self.probation[device]
             if self.rounds > 0 and sum(record) >= STRIKES:
                 self.times[device] += 1
                 aside[device] = round_index + 1 + self.rounds * 2 ** (self.times[device] - 1)
+                self.probation[device] = 0
                 record.clear()
         return aside

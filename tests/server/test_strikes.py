@@ -27,6 +27,21 @@ def test_two_refusals_in_three_judged_rounds_set_a_board_aside_longer_each_time(
     assert record.judge(13, ["b"], {"b"}) == {"b": 19}
 
 
+def test_probation_ends_after_three_judged_rounds_in_a_row_without_a_refusal() -> None:
+    record = StrikeRecord(rounds=5)
+    record.judge(0, ["a"], {"a"})
+    assert record.judge(1, ["a"], {"a"}) == {"a": 7} and record.on_probation("a")
+    record.judge(7, ["a"], set())
+    record.judge(8, ["a"], {"a"})  # a refusal starts the count again
+    record.judge(9, ["a"], set())
+    record.judge(10, [], set())  # a round that could not judge it counts for nothing
+    record.judge(11, ["a"], set())
+    assert record.on_probation("a")
+    record.judge(12, ["a"], set())
+    assert not record.on_probation("a") and not record.on_probation("b")
+    assert record.judge(13, ["a"], {"a"}) == {} and record.judge(14, ["a"], {"a"}) == {"a": 25}  # doubled
+
+
 def test_an_honest_record_and_strike_rounds_zero_never_set_anyone_aside() -> None:
     honest, off = StrikeRecord(rounds=5), StrikeRecord(rounds=0)
     for round_index in range(30):  # one refusal in every third round is never two in three
