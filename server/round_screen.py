@@ -72,7 +72,11 @@ class RoundScreen:
         if robust.screen_updates and accepted:
             accepted, round_rms = self._screen_sizes(round_index, accepted, counters, softened)
         directions = robust.min_update_cosine > -1.0 and len(accepted) >= 3
-        if robust.screen_updates and (directions or (robust.cohort_screen and len(accepted) >= COHORT_MIN)):
+        # a board on probation is judged (or, in too small a round, not taken) whatever the round's size
+        cohorts = robust.cohort_screen and (
+            len(accepted) >= COHORT_MIN or any(self.strikes.on_probation(r.device_id) for _, r in accepted)
+        )
+        if robust.screen_updates and (directions or cohorts):
             accepted = self._screen_directions(round_index, accepted, counters, directions)
         bounded = bound_influence(accepted, self.cohort, robust.max_sample_factor, robust.max_weight_share)
         for _, kept, why in bounded.changed.values():

@@ -110,3 +110,42 @@ def test_an_honest_run_sets_nobody_aside(tmp_path: Path) -> None:
     records = _records(tmp_path / "honest")
     assert all("set_aside" not in r and not r["quarantined"] for r in records)
     assert all(r["cohort_screen"]["refused"] == [] for r in records if "cohort_screen" in r)
+
+
+def test_a_board_on_probation_is_not_taken_in_a_round_too_small_to_judge_it() -> None:
+    import logging
+    from collections import Counter
+
+    from nestling.messages import Result, Task
+    from nestling.server.refusals import RefusalLog
+    from nestling.server.round_screen import RoundScreen
+    from nestling.server.screening import GlobalLayout, RobustPolicy, UpdateWorkspace
+
+    pairs, updates, workspace = [], {}, UpdateWorkspace()
+    workspace.new_round(3)
+    for i in range(3):  # three boards, fewer than a cohort needs to be judged
+        sent = {"w": torch.zeros(8)}
+        task = Task(round=4, device_id=f"d{i}", spec={}, weights=sent, procedure="train", task_id=f"t{i}")
+        trained = {"w": torch.full((8,), 0.1 * (i + 1))}
+        result = Result(
+            round=4, device_id=f"d{i}", task_id=f"t{i}", spec_id="s", num_samples=10, weights=trained
+        )
+        updates[f"t{i}"] = workspace.flat_update(task, result)
+        pairs.append((task, result))
+    strikes = StrikeRecord(rounds=5)
+    strikes.judge(0, ["d1"], {"d1"})
+    strikes.judge(1, ["d1"], {"d1"})  # set aside, then back on probation
+    screen = RoundScreen(
+        RobustPolicy(),
+        RefusalLog(logging.getLogger("test")),
+        workspace,
+        updates,
+        set(),
+        None,
+        lambda: GlobalLayout({"w": (8,)}),
+        [10, 10, 10],
+        strikes,
+    )
+    counters: Counter[str] = Counter()
+    kept, _ = screen.run(4, pairs, counters)
+    assert [r.device_id for _, r in kept] == ["d0", "d2"] and counters["rejected_update_cohort"] == 1
