@@ -13,7 +13,7 @@ import torch
 from nestling.cli import main
 from nestling.errors import ConfigError
 from nestling.server.checkpoint import latest_checkpoint, load_checkpoint
-from nestling.server.strategies import STRATEGIES, StrategyContext, create_strategy
+from nestling.server.strategies import STRATEGIES
 from nestling.simulator.reproduce import (
     PRESET_DIR,
     Claim,
@@ -28,6 +28,7 @@ from nestling.simulator.reproduce import (
 from nestling.simulator.reproduce_cli import reproduce, run_state
 from nestling.simulator.reproduce_report import markdown, refused_cell
 from nestling.simulator.run import run_simulation
+from tests.simulator.reproduce_helpers import preset_strategy
 
 TINY = """
 name = "tiny"
@@ -103,16 +104,7 @@ def test_every_shipped_preset_builds_each_method_at_each_scale(name: str, scale:
         for entry in comparison.entries:
             cfg = comparison.config(entry, seed=3)
             assert cfg.run.seed == 3 and cfg.method.name == entry.method
-            ctx = StrategyContext(
-                arch=cfg.model.arch,
-                num_classes=10,
-                in_channels=3,
-                image_size=32,
-                num_clients=cfg.data.clients,
-                total_rounds=cfg.run.rounds,
-                options=dict(cfg.method.options),
-            )
-            strategy = create_strategy(entry.method, ctx)
+            strategy = preset_strategy(comparison, entry, seed=3)
             assert strategy.eval_targets(), f"{preset}/{entry.label} has nothing to evaluate"
 
 
@@ -377,18 +369,7 @@ def test_m_fedepth_distils_on_some_board_in_the_fedepth_comparison() -> None:
     bit for bit (seen in a reproduction: identical losses every round)."""
     for scale in ("small", "paper"):
         comparison = load_comparison("fedepth", scale)
-        entry = comparison.entry("m-fedepth")
-        cfg = comparison.config(entry, seed=0)
-        ctx = StrategyContext(
-            arch=cfg.model.arch,
-            num_classes=10,
-            in_channels=3,
-            image_size=32,
-            num_clients=cfg.data.clients,
-            total_rounds=cfg.run.rounds,
-            options=dict(cfg.method.options),
-        )
-        strategy = create_strategy(entry.method, ctx)
+        strategy = preset_strategy(comparison, comparison.entry("m-fedepth"))
         strategy.setup()
         models = {ratio: strategy.paper_plan_for(ratio)[1] for ratio in strategy.ratios}
         assert max(models.values()) == 2, models

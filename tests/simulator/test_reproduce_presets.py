@@ -20,14 +20,12 @@ from nestling.simulator.reproduce import SCALES, known_comparisons, load_compari
 from nestling.simulator.reproduce_derive import heterofl_on_fedtrans_largest
 from nestling.slicing import shapes_for
 from nestling.spec import SubmodelSpec
+from tests.simulator.reproduce_helpers import preset_strategy
 
 
 def _strategy(comparison_name: str, scale: str, label: str, **config_changes: object) -> Strategy:
     comparison = load_comparison(comparison_name, scale)
-    cfg = comparison.config(comparison.entry(label), seed=0)
-    options = {**dict(cfg.method.options), **config_changes}
-    ctx = StrategyContext(cfg.model.arch, 10, 3, 32, cfg.data.clients, cfg.run.rounds, options=options)
-    return create_strategy(cfg.method.name, ctx)
+    return preset_strategy(comparison, comparison.entry(label), **config_changes)
 
 
 @pytest.mark.parametrize("scale", SCALES)
