@@ -142,6 +142,7 @@ class Coordinator:
         accepted, aggregated, rolled_back, quarantined = self._apply(
             round_index, accepted, received, quorum, counters
         )
+        aside = sorted({*quarantined, *struck})  # rolled back or struck: not selected for a while
         record = RoundRecord(
             round=round_index,
             wall_seconds=0.0,
@@ -158,9 +159,9 @@ class Coordinator:
             dispatched_at=dispatched_at,
             closed_at=closed_at,
             rolled_back=rolled_back,
-            quarantined=sorted({*quarantined, *struck}),
+            quarantined=aside,
             cohort_screen=self.admission.cohort_verdicts,
-            set_aside={d: self.guard.quarantine[d] for d in sorted({*quarantined, *struck})},
+            set_aside={d: self.guard.quarantine[d] for d in aside},
             method=self.strategy.round_report(round_index, accepted if aggregated else []),
             plans=plans,
             replans=replans,

@@ -89,7 +89,7 @@ def bound_influence(
     limit = sample_bound(registered, max_sample_factor)
     typical = typical_count(registered) or 0.0
     claims = [result.num_samples for _, result in accepted]
-    kept = [float(claim) if claim <= limit else min(typical, limit) for claim in claims]
+    kept = [float(claim) if claim <= limit else typical for claim in claims]  # factor >= 1: typical <= limit
     kept = capped_weights(kept, share_cap(len(kept), max_weight_share))
     bounded, changed = [], {}
     for (task, result), claim, weight in zip(accepted, claims, kept, strict=True):
@@ -100,7 +100,7 @@ def bound_influence(
         why = (
             f"claims {claim} samples, over {max_sample_factor:g}x the fleet's median registered count: "
             f"counted as that median"
-            if claim > limit and math.floor(min(typical, limit)) <= samples
+            if claim > limit and math.floor(typical) <= samples
             else f"claims {claim} samples, over {max_weight_share:g} of the round's total"
         )
         changed[result.task_id] = (claim, samples, why)

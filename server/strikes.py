@@ -13,8 +13,9 @@ had a consensus to judge it by) is not selected for `rounds` rounds, doubled eac
 record starts over when it returns, and it is on probation until WINDOW judged rounds in a row find nothing
 against it: the cohort screen refuses its updates at half the distance from the cohort's median
 (server/update_cohort.py, PROBATION_SPREADS), and in rounds it cannot judge them (no consensus, or too few
-updates of its submodel) does not take them at all. An honest board would need two refusals in three judged rounds; over
-the 1,100 honest board-rounds measured for issue 25 the screen refused none.
+updates of its submodel) does not take them at all. An honest board would need two refusals in three judged
+rounds; over the 1,330 honest IID board-rounds recorded for issue 25 (seeds 0-6, honest and label-flip runs)
+the screen refused none.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    return digits.images, digits.target
+    return digits.images, digits.target.astype(np.int64)
 
 
 def _load_digits(root: Path | None, seed: int) -> RawSplits:
@@ -53,7 +53,7 @@ def _load_digits(root: Path | None, seed: int) -> RawSplits:
     images8, targets = _digits_arrays()
     pixels = torch.from_numpy(images8.astype(np.float32) / 16.0).unsqueeze(1)  # 0..16 -> [0, 1]
     pixels = F.interpolate(pixels, size=(DIGITS_SIDE, DIGITS_SIDE), mode="bilinear", align_corners=False)
-    images, labels = pixels.numpy(), targets.astype(np.int64)
+    images, labels = pixels.numpy(), targets
     rng = np.random.default_rng(seed)
     test_idx = stratified_sample(labels, round(DIGITS_TEST_FRACTION * len(labels)), rng)
     train_mask = np.ones(len(labels), dtype=bool)
