@@ -289,8 +289,7 @@ def run_fleet(
         # Let the agents finish starting (imports, data, warm-up) before the server's first round begins.
         give_up = time.monotonic() + 300
         while not all(
-            "connected and registered" in (work / f"agent-{i}.log").read_text(errors="replace")
-            for i in range(len(traces))
+            "hello sent" in (work / f"agent-{i}.log").read_text(errors="replace") for i in range(len(traces))
         ):
             if time.monotonic() > give_up:
                 raise RuntimeError(f"agents did not all connect within 300 s; see {work}")

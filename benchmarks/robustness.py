@@ -369,25 +369,20 @@ class Recorder:
 def interleaved_overhead(
     method: str, pairs: list[tuple[Task, Result]], repeats: int, policy: Any = None
 ) -> tuple[float, float, float]:
-    """Median seconds of (screening + guard + aggregation) and of aggregation alone on one recorded honest round,
-    timed alternately `repeats` times on fresh strategies (a noisy machine slows both alike); and their ratio."""
+    """Median seconds of one recorded honest round through the coordinator's own screening and guarded
+    aggregation (server/result_admission.py and divergence_guard.py, timed by their own counters, as the
+    coordinator's summary reports them) and of the strategy's aggregation alone, timed alternately `repeats`
+    times on fresh strategies (a noisy machine slows both alike); and their ratio."""
+    import logging
+    from collections import Counter
     from statistics import median
 
-    from nestling.server.influence import bound_influence
-    from nestling.server.running_statistics import measure as measure_statistics
-    from nestling.server.running_statistics import statistics_outliers
-    from nestling.server.screening import (
-        GlobalLayout,
-        RobustPolicy,
-        UpdateWorkspace,
-        direction_cosines,
-        direction_outliers,
-        largest_magnitude,
-        screen_norms,
-    )
-    from nestling.server.statistics_cohort import cohort_outliers
+    from nestling.server.divergence_guard import DivergenceGuard
+    from nestling.server.refusals import RefusalLog
+    from nestling.server.result_admission import ResultAdmission
+    from nestling.server.screening import RobustPolicy, largest_magnitude
     from nestling.server.strategies import StrategyContext, create_strategy
-    from nestling.server.update_cohort import cohort_outliers as update_cohort_outliers
+    from nestling.server.strategies.context import DeviceInfo
     from nestling.spec import SubmodelSpec
 
     model = SubmodelSpec.from_dict(pairs[0][0].spec).model
@@ -402,18 +397,13 @@ def interleaved_overhead(
     )
     policy = policy if policy is not None else RobustPolicy()
     round_index = pairs[0][0].round
-    first = create_strategy(method, ctx)
-    # The coordinator keeps the global layout (positions cached per submodel layout), its update buffers and
-    # the global model's largest |w| (measured after the previous round's aggregation) between rounds.
-    layout = GlobalLayout({k: tuple(v.shape) for k, v in first.global_state.items() if v.is_floating_point()})
-    workspace = UpdateWorkspace()
-    scale_before = largest_magnitude(first.global_state)
-    recent = 0.01  # the look back on earlier rounds' median update (a number the coordinator keeps)
+    boards = [DeviceInfo(r.device_id, i, r.num_samples) for i, (_, r) in enumerate(pairs)]
+    by_task = {task.task_id: task for task, _ in pairs}
+    # The coordinator keeps its admission (update buffers, the global layout, each board's record) and the
+    # global model's largest |w| (measured after the previous round's aggregation) from round to round.
+    admission = ResultAdmission(create_strategy(method, ctx), policy, RefusalLog(logging.getLogger("bench")))
+    scale = largest_magnitude(admission.strategy.global_state)
 
-    # Both runs replay the round as the coordinator receives it: each result is validated on arrival
-    # (names, shapes, dtypes, finiteness; in both modes and outside the measured time), and with screening the
-    # update of a result that is not packed (nestling/packed.py) is measured right after; packed results' updates
-    # are measured together at the round's end, then the round's screens, the guard and the aggregation follow.
     def aggregate_only() -> float:
         strategy = create_strategy(method, ctx)
         for task, result in pairs:
@@ -423,42 +413,21 @@ def interleaved_overhead(
         return time.perf_counter() - started
 
     def screened() -> float:
-        strategy = create_strategy(method, ctx)
-        workspace.new_round(len(pairs))
-        spent, on_arrival = 0.0, {}
-        for task, result in pairs:
-            strategy.validate(task, result)
-            started = time.perf_counter()
-            if not workspace.packed(task, result):  # packed results are measured with the round, below
-                on_arrival[result.task_id] = workspace.flat_update(task, result)
-            spent += time.perf_counter() - started
-        started = time.perf_counter()
-        waiting = [(task, result) for task, result in pairs if result.task_id not in on_arrival]
-        measured = dict(zip([r.task_id for _, r in waiting], workspace.flat_updates(waiting), strict=True))
-        updates = [on_arrival.get(r.task_id) or measured[r.task_id] for _, r in pairs]
-        sizes = [u.size for u in updates]
-        statistics = measure_statistics([u.statistics for u in updates])
-        screen_norms(sizes, policy, recent)
-        statistics_outliers(statistics, policy.update_norm_factor)
-        cohort_outliers(
-            [u.statistics for u in updates], statistics, policy.bn_variance_factor, policy.bn_mean_sigmas
-        )
-        if policy.min_update_cosine > -1.0:
-            direction_outliers(direction_cosines(updates, layout, workspace), policy)
-        if policy.cohort_screen:
-            update_cohort_outliers(updates)
-        bounded = bound_influence(
-            pairs, [r.num_samples for _, r in pairs], policy.max_sample_factor, policy.max_weight_share
-        ).accepted
-        # The divergence guard: a snapshot by reference, aggregation, the largest weight after it.
-        meta = strategy.state_meta()
-        snapshot = (dict(strategy.state_tensors()), json.loads(json.dumps(meta)) if meta else {})
-        strategy.aggregate(round_index, bounded)
-        after = largest_magnitude(strategy.global_state)
-        del snapshot
-        if not math.isfinite(after) or after > policy.divergence_factor * max(scale_before, 1.0):
-            raise RuntimeError("the recorded honest round tripped the divergence guard")
-        return spent + time.perf_counter() - started
+        """Each result admitted as it arrives (validated, and measured unless packed: nestling/packed.py), then
+        the round's screens and the guarded aggregation; what the coordinator counts as their cost."""
+        strategy = admission.strategy = create_strategy(method, ctx)
+        guard = DivergenceGuard(strategy, policy, scale=scale)
+        admission.seen_tasks.clear()
+        admission.new_round(boards, boards, len(pairs))
+        admission.seconds = 0.0
+        for _, result in pairs:
+            if admission.admit(round_index, by_task, result) is not None:
+                raise RuntimeError(f"the recorded honest round had {result.device_id}'s result refused")
+        counters: Counter[str] = Counter()
+        accepted = admission.screen(round_index, pairs, counters)
+        if len(accepted) != len(pairs) or not guard.aggregate(round_index, accepted, counters):
+            raise RuntimeError(f"the recorded honest round was screened or rolled back: {dict(counters)}")
+        return admission.seconds + guard.seconds
 
     plain, guarded = [], []
     aggregate_only(), screened()  # warm-up

@@ -29,7 +29,9 @@ class DivergenceGuard:
     who that aggregation applied, the global model's last largest |w|, and the quarantine (device -> first
     round it may be selected again, and every quarantine for the run's summary)."""
 
-    def __init__(self, strategy: Strategy, robust: RobustPolicy) -> None:
+    def __init__(self, strategy: Strategy, robust: RobustPolicy, scale: float | None = None) -> None:
+        """`scale`: the global model's largest |w| when already known (a recorded round replayed), else measured
+        at the first aggregation."""
         self.strategy = strategy
         self.robust = robust
         self.quarantine: dict[str, int] = {}
@@ -37,7 +39,7 @@ class DivergenceGuard:
         self.seconds = 0.0  # aggregation under the guard: part of the robustness overhead
         self._before_last: Snapshot | None = None
         self._last_applied: tuple[int, list[str]] | None = None
-        self._scale: float | None = None  # largest |w| of the global model after the last aggregation
+        self._scale = scale  # largest |w| of the global model after the last aggregation
 
     def available(self, devices: list[DeviceInfo], round_index: int) -> list[DeviceInfo]:
         """The devices not quarantined in this round."""

@@ -311,7 +311,7 @@ class UpdateWorkspace:
 
     def flat_updates(self, pairs: list[tuple[Task, Result]]) -> list[FlatUpdate]:
         """Each pair's update, as `flat_update` gives it; packed pairs of one layout are written into
-        consecutive rows of their pool with one stack, one multi-tensor subtraction and one norm per layout."""
+        consecutive rows of their pool, one subtraction each, and their norms taken in one call per layout."""
         updates: list[FlatUpdate | None] = [None] * len(pairs)
         groups: dict[PackLayout, list[tuple[int, _PackedPair]]] = {}
         for i, (task, result) in enumerate(pairs):
@@ -326,10 +326,11 @@ class UpdateWorkspace:
             rows = [row for row, _, _ in taken]
             first = taken[0][2]
             if first >= 0 and [index for _, _, index in taken] == list(range(first, first + len(taken))):
-                block = pool.matrix[first : first + len(taken)]
-                torch.stack([pair.uploaded for _, pair in members], out=block)
-                torch._foreach_sub_(rows, [pair.sent for _, pair in members])
-                norms = torch.linalg.vector_norm(block, dim=1).tolist()
+                # each row written once from its two inputs (a stack then an in-place subtraction passed over the
+                # rows three times: 3.8 against 2.7 ms for ten ResNet-20 updates), then every norm in one call
+                for row, (_, pair) in zip(rows, members, strict=True):
+                    torch.sub(pair.uploaded, pair.sent, out=row)
+                norms = torch.linalg.vector_norm(pool.matrix[first : first + len(taken)], dim=1).tolist()
             else:  # rows scattered (some were given back) or outside the matrix: one at a time
                 for row, (_, pair) in zip(rows, members, strict=True):
                     torch.sub(pair.uploaded, pair.sent, out=row)

@@ -112,7 +112,7 @@ class RoundScreen:
             probation = frozenset(
                 i for i, (_, result) in enumerate(accepted) if self.strikes.on_probation(result.device_id)
             )
-            verdict = update_cohort_outliers(updates, probation)
+            verdict = update_cohort_outliers(updates, probation, self.workspace)
             for index, why in verdict.refused.items():
                 turned.setdefault(index, ("rejected_update_cohort", why))
             self.judged = sorted(accepted[i][1].device_id for i in verdict.judged)

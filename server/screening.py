@@ -403,10 +403,13 @@ def clip_update(task: Task, result: Result, norm: float, bound: float) -> Result
 def largest_magnitude(state: dict[str, torch.Tensor]) -> float:
     """max |w| over the floating tensors of a model state (inf when any value is non-finite).
 
-    One flattening C++ call and one inf-norm pass: a fraction of a per-tensor inf-norm's cost."""
+    One flattening C++ call and one min-max pass: a fraction of a per-tensor inf-norm's cost."""
     values = [value for value in state.values() if value.is_floating_point()]
     if not values:
         return 0.0
     flat = _flatten_dense_tensors(values) if len(values) > 1 else values[0]
-    worst = float(torch.linalg.vector_norm(flat, math.inf))  # max |w|; NaN anywhere makes it NaN
-    return worst if math.isfinite(worst) else math.inf
+    if not flat.numel():
+        return 0.0
+    lowest, highest = (float(v) for v in torch.aminmax(flat))  # one pass; NaN anywhere makes both NaN
+    worst = max(-lowest, highest)
+    return worst if math.isfinite(lowest) and math.isfinite(highest) else math.inf

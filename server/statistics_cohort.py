@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -89,88 +91,135 @@ def _median_over_channels(values: np.ndarray) -> np.ndarray:
     return _median(values, axis=1)
 
 
-# Per variance key: (key, the judged results holding it, each one's median log ratio; the running mean's key,
-# the results holding it, each one's median shift in standard deviations), as both paths below measure them.
-Shifts = list[tuple[str, list[int], np.ndarray, str | None, list[int], np.ndarray]]
+@dataclass(frozen=True)
+class Shifts:
+    """How far each judged result sits from the round, for one or more running variance keys (one column each):
+    the median over channels of its log variance ratio (rows: `holders`) and of its mean shift in standard
+    deviations (rows: `mean_holders`; no columns when the means are not judged)."""
+
+    keys: tuple[str, ...]
+    holders: list[int]
+    variance: np.ndarray  # len(holders) x len(keys)
+    mean_keys: tuple[str | None, ...]
+    mean_holders: list[int]
+    mean: np.ndarray  # len(mean_holders) x len(keys), or no columns
+
+
 SEGMENT = 4096.0  # per-key offset that keeps each key's clipped values (|x| <= 1000) apart in one sort
 
 
-def _segment_medians(values: np.ndarray, segments: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+class Segments:
+    """Contiguous column segments, one per key (`lengths` columns each), laid out for `segment_medians`: each
+    column's offset and each segment's middle columns."""
+
+    def __init__(self, numbers: np.ndarray, lengths: np.ndarray) -> None:
+        self.offsets = numbers * SEGMENT
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        self.low, self.high = starts + (lengths - 1) // 2, starts + lengths // 2
+
+
+def _segment_medians(values: np.ndarray, segments: Segments) -> np.ndarray:
     """Per row, the median of each contiguous column segment (values clipped to ±1000): one sort for all keys."""
-    offsets = segments * SEGMENT
-    ordered = np.sort(values + offsets, axis=1) - offsets
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    low, high = starts + (lengths - 1) // 2, starts + lengths // 2
-    return (ordered[:, low] + ordered[:, high]) / 2  # rows x keys
+    ordered = np.sort(values + segments.offsets, axis=1) - segments.offsets
+    return (ordered[:, segments.low] + ordered[:, segments.high]) / 2  # rows x keys
 
 
-def _fast_shifts(measured: Sequence[MeasuredStatistics], judged: list[int]) -> Shifts | None:
-    """The usual round: every judged result of one layout, every tensor changed, every channel held. All keys
-    at once: one stack, one median per statistic kind, one sort per kind (a key at a time cost ~1 ms a round
-    on tinycnn, as much as the aggregation)."""
+class _Plan:
+    """What the one-layout path reads of a statistics layout, worked out once per layout: the running variance
+    keys (non-empty) and their means' keys, their columns in a result's row (variances, then means), and each
+    variance column's key number (its segment) with each key's channel count."""
+
+    def __init__(self, keys: tuple[str, ...], bounds: tuple[tuple[int, int], ...]) -> None:
+        where = dict(zip(keys, bounds, strict=True))
+        pairs = [(k, _mean_partner(k)) for k in keys if is_running_variance(k) and where[k][1] > where[k][0]]
+        self.keys = tuple(k for k, _ in pairs)
+        with_means = [
+            m is not None and m in where and where[m][1] - where[m][0] == where[k][1] - where[k][0]
+            for k, m in pairs
+        ]
+        self.with_means = bool(pairs) and all(with_means)
+        self.mixed = any(with_means) and not self.with_means  # key by key then
+        self.mean_keys = tuple(m for _, m in pairs) if self.with_means else ()
+        variance_columns = [np.arange(*where[k]) for k in self.keys]
+        columns = variance_columns + [np.arange(*where[m]) for m in self.mean_keys if m is not None]
+        self.columns = np.concatenate(columns) if columns else np.zeros(0, dtype=np.int64)
+        self.width = sum(len(c) for c in variance_columns)
+        self.segments = (
+            np.concatenate([np.full(len(c), k, dtype=np.float64) for k, c in enumerate(variance_columns)])
+            if variance_columns
+            else np.zeros(0)
+        )
+        self.lengths = np.asarray([len(c) for c in variance_columns], dtype=np.int64)
+        self.every_channel = Segments(self.segments, self.lengths)  # the usual round: every channel alive
+
+
+@lru_cache(maxsize=256)
+def _plan(keys: tuple[str, ...], bounds: tuple[tuple[int, int], ...]) -> _Plan:
+    return _Plan(keys, bounds)
+
+
+def _fast_shifts(measured: Sequence[MeasuredStatistics], judged: list[int]) -> list[Shifts] | None:
+    """The usual round: every judged result of one layout, measured together, every tensor changed, every
+    channel held. All keys at once, from the matrix `measure` made: one gather, one sort for every channel's
+    median, one sort for every key's median over channels (a key at a time cost ~1 ms a round on tinycnn, as
+    much as the aggregation)."""
     first = measured[judged[0]]
-    if first.values is None or first.bounds is None:
+    block = first.block
+    if block is None or first.bounds is None:
         return None
-    rows: list[np.ndarray] = []
     for index in judged:
         seen = measured[index]
-        if (
-            seen.keys != first.keys
-            or seen.bounds != first.bounds
-            or seen.values is None
-            or (seen.changed is not None and not all(seen.changed))
-        ):
-            return None
-        rows.append(seen.values)
-    where = dict(zip(first.keys, first.bounds, strict=True))
-    pairs = [
-        (key, _mean_partner(key))
-        for key in first.keys
-        if is_running_variance(key) and where[key][1] > where[key][0]
-    ]
-    if not pairs:
-        return []
-    matrix = np.stack(rows).astype(np.float64)
-    if np.isnan(matrix).any():
+        if seen.block is not block or (seen.changed is not None and not all(seen.changed)):
+            return None  # another layout (the block is per layout), or a tensor left as sent
+    plan = _plan(first.keys, first.bounds)
+    if plan.mixed:
         return None
-    columns = [np.arange(*where[key]) for key, _ in pairs]
-    variances = matrix[:, np.concatenate(columns)]
-    centre = np.median(variances, axis=0)
+    if not plan.keys:
+        return []
+    rows = [measured[index].row for index in judged]
+    whole = rows == list(range(len(block)))
+    picked = (block if whole else block[rows])[:, plan.columns].astype(np.float64)
+    if np.isnan(picked).any():
+        return None
+    count = len(rows)
+    ordered = np.sort(picked, axis=0)  # every channel's median at once (np.median: ~150 us a call here)
+    middle = (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+    variances, centre = picked[:, : plan.width], middle[: plan.width]
     alive = centre > TINY
-    segments = np.concatenate([np.full(len(c), k, dtype=np.float64) for k, c in enumerate(columns)])[alive]
-    lengths = np.bincount(segments.astype(np.int64), minlength=len(pairs))
-    held = lengths > 0
-    if not held.any():
-        return []
-    ratios = np.clip(np.log(np.maximum(variances[:, alive], 0.0) / centre[alive]), -1e3, 1e3)
-    kept_lengths = lengths[held]
-    renumbered = np.cumsum(held)[segments.astype(np.int64)] - 1.0
-    var_shifts = _segment_medians(ratios, renumbered, kept_lengths)
-    with_means = [
-        m is not None and m in where and where[m][1] - where[m][0] == where[k][1] - where[k][0]
-        for k, m in pairs
-    ]
-    mean_shifts = None
-    if all(with_means):
-        means = matrix[:, np.concatenate([np.arange(*where[m]) for _, m in pairs if m is not None])]
-        middle = np.median(means, axis=0)
-        sigmas = np.minimum(np.abs(means[:, alive] - middle[alive]) / np.sqrt(centre[alive]), 1e3)
-        mean_shifts = _segment_medians(sigmas, renumbered, kept_lengths)
-    elif any(with_means):
-        return None
-    shifts: Shifts = []
-    kept_pairs = [pair for pair, ok in zip(pairs, held.tolist(), strict=True) if ok]
-    for column, (key, mean_key) in enumerate(kept_pairs):
-        if mean_shifts is None:
-            shifts.append((key, judged, var_shifts[:, column], None, [], np.zeros(0)))
-        else:
-            shifts.append((key, judged, var_shifts[:, column], mean_key, judged, mean_shifts[:, column]))
-    return shifts
+    if alive.all():
+        segments, held = plan.every_channel, None
+    else:
+        numbers = plan.segments[alive]
+        counts = np.bincount(numbers.astype(np.int64), minlength=len(plan.keys))
+        held = counts > 0
+        if not held.any():
+            return []
+        segments = Segments(np.cumsum(held)[numbers.astype(np.int64)] - 1.0, counts[held])
+    scale = centre[alive] if held is not None else centre
+    ratios = np.clip(
+        np.log(np.maximum(variances[:, alive] if held is not None else variances, 0.0) / scale), -1e3, 1e3
+    )
+    if plan.with_means:
+        means, mean_middle = picked[:, plan.width :], middle[plan.width :]
+        if held is not None:
+            means, mean_middle = means[:, alive], mean_middle[alive]
+        sigmas = np.minimum(np.abs(means - mean_middle) / np.sqrt(scale), 1e3)
+        both = _segment_medians(np.concatenate([ratios, sigmas]), segments)
+        var_shifts, mean_shifts = both[:count], both[count:]
+    else:
+        var_shifts, mean_shifts = _segment_medians(ratios, segments), np.zeros((0, 0))
+    keys, mean_keys = plan.keys, plan.mean_keys
+    if held is not None:
+        keys = tuple(k for k, ok in zip(keys, held.tolist(), strict=True) if ok)
+        mean_keys = tuple(m for m, ok in zip(mean_keys, held.tolist(), strict=True) if ok)
+    if not plan.with_means:
+        return [Shifts(keys, judged, var_shifts, (), [], mean_shifts)]
+    return [Shifts(keys, judged, var_shifts, mean_keys, judged, mean_shifts)]
 
 
-def _slow_shifts(by_key: dict[str, list[tuple[int, np.ndarray]]]) -> Shifts:
+def _slow_shifts(by_key: dict[str, list[tuple[int, np.ndarray]]]) -> list[Shifts]:
     """Key by key, over the results that changed each tensor (nested prefixes padded with NaN)."""
-    shifts: Shifts = []
+    shifts: list[Shifts] = []
     for key, rows in by_key.items():
         if not is_running_variance(key) or len(rows) < MIN_COHORT:
             continue
@@ -181,24 +230,27 @@ def _slow_shifts(by_key: dict[str, list[tuple[int, np.ndarray]]]) -> Shifts:
             continue
         ratios = np.log(np.maximum(variances[:, alive], 0.0) / centre[alive])
         ratios = np.where(np.isnan(variances[:, alive]), np.nan, ratios)
-        var_shifts = _median_over_channels(np.clip(ratios, -1e3, 1e3))
+        var_shifts = _median_over_channels(np.clip(ratios, -1e3, 1e3))[:, None]
         holders = [index for index, _ in rows]
         mean_key = _mean_partner(key)
         mean_rows = by_key.get(mean_key) if mean_key is not None else None
+        unjudged = Shifts((key,), holders, var_shifts, (), [], np.zeros((0, 0)))
         if not mean_rows or len(mean_rows) < MIN_COHORT:
-            shifts.append((key, holders, var_shifts, None, [], np.zeros(0)))
+            shifts.append(unjudged)
             continue
         means = _padded(mean_rows)
         width = min(means.shape[1], len(centre))
         scale = np.sqrt(centre[:width])
         usable = scale > math.sqrt(TINY)
         if not usable.any():
-            shifts.append((key, holders, var_shifts, None, [], np.zeros(0)))
+            shifts.append(unjudged)
             continue
         middle = _median(means[:, :width], axis=0)
         sigmas = np.abs(means[:, :width][:, usable] - middle[usable]) / scale[usable]
-        moved = _median_over_channels(np.minimum(sigmas, 1e3))
-        shifts.append((key, holders, var_shifts, mean_key, [index for index, _ in mean_rows], moved))
+        moved = _median_over_channels(np.minimum(sigmas, 1e3))[:, None]
+        shifts.append(
+            Shifts((key,), holders, var_shifts, (mean_key,), [index for index, _ in mean_rows], moved)
+        )
     return shifts
 
 
@@ -224,21 +276,22 @@ def cohort_outliers(
         shifts = _fast_shifts(measured, judged)
         if shifts is None:
             shifts = _slow_shifts(_rows(statistics, measured, judged))
-    for key, holders, var_shifts, mean_key, mean_holders, moved in shifts:
-        for index, shift in zip(holders, var_shifts.tolist(), strict=True):
-            if math.isfinite(shift) and abs(shift) > limit:
-                note(
-                    index,
-                    abs(shift) / limit,
-                    f"BN running variance {key} {math.exp(shift):.3g}x the round's per-channel median "
-                    f"(median over channels; allowed 1/{variance_factor:g}..{variance_factor:g})",
-                )
-        for index, shift in zip(mean_holders, moved.tolist(), strict=True):
-            if math.isfinite(shift) and shift > mean_sigmas:
-                note(
-                    index,
-                    shift / mean_sigmas,
-                    f"BN running mean {mean_key} {shift:.3g} standard deviations from the round's per-channel "
-                    f"median (median over channels; allowed {mean_sigmas:g})",
-                )
+    for found in shifts:
+        # only the entries out of bounds reach Python (NaN compares False; shifts are clipped, so finite)
+        for row, column in zip(*np.nonzero(np.abs(found.variance) > limit), strict=True):
+            shift = float(found.variance[row, column])
+            note(
+                found.holders[row],
+                abs(shift) / limit,
+                f"BN running variance {found.keys[column]} {math.exp(shift):.3g}x the round's per-channel "
+                f"median (median over channels; allowed 1/{variance_factor:g}..{variance_factor:g})",
+            )
+        for row, column in zip(*np.nonzero(found.mean > mean_sigmas), strict=True):
+            shift = float(found.mean[row, column])
+            note(
+                found.mean_holders[row],
+                shift / mean_sigmas,
+                f"BN running mean {found.mean_keys[column]} {shift:.3g} standard deviations from the round's "
+                f"per-channel median (median over channels; allowed {mean_sigmas:g})",
+            )
     return {index: reason for index, (_, reason) in sorted(worst.items())}

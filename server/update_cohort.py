@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from statistics import median
 
+import numpy as np
 import torch
 
-from nestling.server.flat_updates import FlatUpdate
+from nestling.server.flat_updates import FlatUpdate, UpdateWorkspace
 
 COHORT_MIN = 5  # fewer updates of one submodel in a round: not judged (one bad board among 4 sets the median)
 FLOOR = 0.5  # an update must point less along its cohort than this (60 degrees) to be refused
@@ -61,26 +63,35 @@ class CohortVerdict:
     unjudged: dict[int, int] = field(default_factory=dict)
 
 
-def signature(update: FlatUpdate) -> Signature:
-    """Which submodel an update is of: its tensors and their shapes, whatever order they were sent in."""
-    return tuple(sorted(zip(update.keys, update.shapes, strict=True)))
+@lru_cache(maxsize=1024)
+def signature(keys: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> Signature:
+    """Which submodel an update is of: its tensors and their shapes, whatever order they were sent in (worked
+    out once per key order and shapes: the sort cost ~8 us an update, every round)."""
+    return tuple(sorted(zip(keys, shapes, strict=True)))
 
 
-def cohort_outliers(updates: list[FlatUpdate], probation: frozenset[int] = frozenset()) -> CohortVerdict:
+def cohort_outliers(
+    updates: list[FlatUpdate],
+    probation: frozenset[int] = frozenset(),
+    workspace: UpdateWorkspace | None = None,
+) -> CohortVerdict:
     """The refusals of one round: each cohort's updates against the mean of its core (`core_cosines`); the
-    updates at the indices `probation` are held to PROBATION_SPREADS."""
+    updates at the indices `probation` are held to PROBATION_SPREADS. With the `workspace` the updates were
+    measured in, a cohort whose rows are consecutive rows of its matrix is read as one block."""
     verdict = CohortVerdict()
     cohorts: dict[Signature, list[int]] = {}
     for i, update in enumerate(updates):
         if update.vector.numel():
-            cohorts.setdefault(signature(update), []).append(i)
+            cohorts.setdefault(signature(update.keys, update.shapes), []).append(i)
     for members in cohorts.values():
         if len(members) < COHORT_MIN:
             size = updates[members[0]].size.elements
             verdict.unjudged[size] = verdict.unjudged.get(size, 0) + len(members)
             verdict.refused.update(_unproven(members, probation, f"a cohort of {len(members)}"))
             continue
-        cosines = list(zip(members, core_cosines([updates[i] for i in members]), strict=True))
+        cohort = [updates[i] for i in members]
+        block = _block(cohort, workspace) if workspace is not None else None
+        cosines = list(zip(members, core_cosines(cohort, block), strict=True))
         refused = _outliers([(i, c) for i, c in cosines if c is not None], probation)
         if refused is not None:
             verdict.refused.update(refused)
@@ -88,6 +99,19 @@ def cohort_outliers(updates: list[FlatUpdate], probation: frozenset[int] = froze
         else:
             verdict.refused.update(_unproven(members, probation, "a cohort without consensus"))
     return verdict
+
+
+def _block(cohort: list[FlatUpdate], workspace: UpdateWorkspace) -> torch.Tensor | None:
+    """The cohort's updates as one matrix, when they sit in consecutive rows of one of the workspace's matrices
+    in the same key order (the usual round: packed results measured together)."""
+    stacked = workspace.stacked(cohort)
+    if stacked is None or any(update.keys != cohort[0].keys for update in cohort):
+        return None
+    matrix, rows = stacked
+    first = rows[0]
+    if rows != list(range(first, first + len(rows))):
+        return None
+    return matrix[first : first + len(rows)]
 
 
 def _unproven(members: list[int], probation: frozenset[int], why: str) -> dict[int, str]:
@@ -101,7 +125,7 @@ def _unproven(members: list[int], probation: frozenset[int], why: str) -> dict[i
     }
 
 
-def core_cosines(cohort: list[FlatUpdate]) -> list[float | None]:
+def core_cosines(cohort: list[FlatUpdate], block: torch.Tensor | None = None) -> list[float | None]:
     """Each update's cosine with the mean of its cohort's core: the half of the cohort that agrees best with the
     others (the upper half of the cosines with the mean of the others), itself left out of that mean.
 
@@ -109,19 +133,49 @@ def core_cosines(cohort: list[FlatUpdate]) -> list[float | None]:
     honest norm spread the honest cosines of an IID round enough to hide in 2 of 10 rounds. The core leaves it out
     (a minority never reaches the upper half), so the honest cosines stay as tight as without it. The
     coordinate-wise median does the same at 100x the cost (5 ms a tinycnn round, 200 ms on ResNet-20): this is
-    two sums and twenty dot products."""
+    two sums and twenty dot products, or, when the cohort is one `block` of rows, one Gram matrix."""
+    if block is not None:
+        return _gram_cosines(block)
+    squares = [update.size.norm**2 for update in cohort]
     first = cohort[0]
     rows = [_in_order(update, first) for update in cohort]
-    squares = [update.size.norm**2 for update in cohort]
-    everyone = _cosines_with(rows, _sum(rows), squares, [True] * len(cohort))
-    ranked = sorted((c for c in everyone if c is not None), reverse=True)
-    if len(ranked) < 2:
+    summed = _sum(rows)
+    dots = [float(torch.dot(row, summed)) for row in rows]
+    everyone = _cosines(dots, float(torch.dot(summed, summed)), squares, [True] * len(cohort))
+    core = _core(everyone)
+    if core is None:
         return everyone
-    threshold = ranked[(len(ranked) - 1) // 2]  # the upper half, the median included
-    core = [c is not None and c >= threshold for c in everyone]
-    return _cosines_with(
-        rows, _sum([row for row, inside in zip(rows, core, strict=True) if inside]), squares, core
-    )
+    core_sum = _sum([row for row, inside in zip(rows, core, strict=True) if inside])
+    dots = [float(torch.dot(row, core_sum)) for row in rows]
+    return _cosines(dots, float(torch.dot(core_sum, core_sum)), squares, core)
+
+
+def _core(cosines: list[float | None]) -> list[bool] | None:
+    """Who is in the core: the upper half of the cosines with the others, the median included (None: fewer
+    than two cosines, no core to speak of)."""
+    ranked = sorted((c for c in cosines if c is not None), reverse=True)
+    if len(ranked) < 2:
+        return None
+    threshold = ranked[(len(ranked) - 1) // 2]
+    return [c is not None and c >= threshold for c in cosines]
+
+
+def _gram_cosines(block: torch.Tensor) -> list[float | None]:
+    """`core_cosines` of a cohort that is one matrix of rows, from its Gram matrix G = M Mᵀ: one pass over the
+    updates (four matrix-vector passes before; 2.9 against 3.3 ms for ten ResNet-20 updates). Every quantity is
+    a sum of G's entries: u_i·S = Σ_j G_ij and |S|² = Σ_ij G_ij for S the sum of the rows, over the core's
+    columns for the core's sum."""
+    matrix = block.numpy()
+    gram = (matrix @ matrix.T).astype(np.float64)
+    squares = np.diagonal(gram).tolist()
+    everyone_in = [True] * len(squares)
+    everyone = _cosines(gram.sum(axis=1).tolist(), float(gram.sum()), squares, everyone_in)
+    core = _core(everyone)
+    if core is None:
+        return everyone
+    inside = np.asarray(core, dtype=np.float64)
+    core_dots = gram @ inside
+    return _cosines(core_dots.tolist(), float(inside @ core_dots), squares, core)
 
 
 def _sum(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -133,12 +187,11 @@ def _sum(rows: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _cosines_with(
-    rows: list[torch.Tensor], total: torch.Tensor, squares: list[float], inside: list[bool]
+def _cosines(
+    dots: list[float], total_sq: float, squares: list[float], inside: list[bool]
 ) -> list[float | None]:
-    """Each row's cosine with `total` (a sum of rows), less the row itself where it is one of the summed."""
-    dots = [float(torch.dot(row, total)) for row in rows]
-    total_sq = float(torch.dot(total, total))
+    """Each row's cosine with a sum of rows, less the row itself where it is one of the summed, from the rows'
+    dot products with the sum, the sum's squared norm and the rows' squared norms."""
     cosines: list[float | None] = []
     for dot, square, own in zip(dots, squares, inside, strict=True):
         if own:

@@ -73,7 +73,8 @@ def test_a_server_killed_mid_round_resumes_and_agents_come_back_by_themselves(tm
     assert [r["round"] for r in after] == [0, 1, 2, 3]  # no round lost, none counted twice
     assert all(r["aggregated"] for r in after) and after[0] == before[0]
     assert "resuming after round 1 of 4" in (tmp_path / "server-2.log").read_text()
-    assert all("registering again" in (tmp_path / f"agent-{i}.log").read_text() for i in range(3))
+    greeted = "sending it this board's hello"  # once to each server process: the first and the resumed one
+    assert all((tmp_path / f"agent-{i}.log").read_text().count(greeted) >= 2 for i in range(3))
 
 
 @pytest.mark.slow
@@ -103,6 +104,6 @@ def test_a_broker_restart_mid_run_is_survived_by_server_and_agents(tmp_path):
     records = metrics(tmp_path / "out")
     assert [r["round"] for r in records] == [0, 1, 2, 3] and summary["rounds"] == 4
     assert records[-1]["aggregated"] and records[-1]["accepted"] == 3
-    for i in range(3):  # each agent lost the broker, then reconnected and registered again on its own
+    for i in range(3):  # each agent lost the broker, then reconnected and said hello again on its own
         log = (tmp_path / f"agent-{i}.log").read_text()
-        assert "connected and registered" in log.split("lost the broker", 1)[1]
+        assert "hello sent" in log.split("lost the broker", 1)[1]

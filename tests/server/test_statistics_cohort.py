@@ -3,6 +3,7 @@ the in-range poisoning of issue 25 is refused, honest non-IID spread is not."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,12 +93,43 @@ def test_the_one_layout_path_measures_as_the_key_by_key_path() -> None:
     uploads = [UploadedStatistics(tuple(b), tuple(b.values())) for b in boards]
     measured, judged = measure(uploads), list(range(8))
     fast, slow = _fast_shifts(measured, judged), _slow_shifts(_rows(uploads, measured, judged))
-    assert fast is not None and [f[0] for f in fast] == [s[0] for s in slow] == [
-        "bn.running_var",
-        "conv.running_var",
-    ]
-    for f, s in zip(fast, slow, strict=True):
-        assert f[1] == s[1] and f[3] == s[3] and f[4] == s[4]
-        assert torch.allclose(torch.from_numpy(f[2]), torch.from_numpy(s[2])), (f[2], s[2])
-        assert torch.allclose(torch.from_numpy(f[5]), torch.from_numpy(s[5])), (f[5], s[5])
+    assert fast is not None and len(fast) == 1  # one layout: every key in one block
+    (together,) = fast
+    assert together.keys == tuple(k for s in slow for k in s.keys) == ("bn.running_var", "conv.running_var")
+    assert together.mean_keys == tuple(k for s in slow for k in s.mean_keys)
+    for s in slow:
+        assert s.holders == together.holders == s.mean_holders == together.mean_holders
+    assert np.allclose(together.variance, np.concatenate([s.variance for s in slow], axis=1))
+    assert np.allclose(together.mean, np.concatenate([s.mean for s in slow], axis=1))
+    # the poisoned entries are the ones out of bounds, and only they
+    assert abs(together.variance[2, 0]) > np.log(4) and together.mean[5, 1] > 3
     assert list(cohort_outliers(uploads, measured)) == [2, 5]
+
+
+@pytest.mark.parametrize("judged", [list(range(8)), [0, 2, 3, 5, 7]])
+def test_the_one_layout_path_agrees_with_dead_channels_a_dead_key_and_some_results_not_judged(judged) -> None:
+    """Channels every board measured as 0, a key with no live channel at all, and a round where some results
+    are left out (a problem of their own): the one-layout path still agrees with key by key."""
+    from nestling.server.statistics_cohort import _fast_shifts, _rows, _slow_shifts
+
+    boards = [board(i) for i in range(8)]
+    for b in boards:
+        b["bn.running_var"][[1, 4, 9]] = 0.0  # dead channels
+        b["dead.running_mean"], b["dead.running_var"] = torch.zeros(4), torch.zeros(4)  # a dead key
+        b["conv.running_mean"], b["conv.running_var"] = (
+            b["bn.running_mean"][:5] * 2,
+            b["bn.running_var"][:5] + 1,
+        )
+    boards[3]["conv.running_var"] = boards[3]["conv.running_var"] / 20
+    uploads = [UploadedStatistics(tuple(b), tuple(b.values())) for b in boards]
+    measured = measure(uploads)
+    fast, slow = _fast_shifts(measured, judged), _slow_shifts(_rows(uploads, measured, judged))
+    assert fast is not None and len(fast) == 1
+    (together,) = fast
+    assert together.keys == tuple(k for s in slow for k in s.keys) == ("bn.running_var", "conv.running_var")
+    assert together.holders == judged
+    assert np.allclose(together.variance, np.concatenate([s.variance for s in slow], axis=1))
+    assert np.allclose(together.mean, np.concatenate([s.mean for s in slow], axis=1))
+    with np.errstate(divide="ignore"):
+        refused = cohort_outliers(uploads, measured)
+    assert list(refused) == [3] and "conv.running_var" in refused[3]

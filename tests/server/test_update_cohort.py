@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from nestling.packed import pack
+from nestling.server.flat_updates import UpdateWorkspace
 from nestling.server.screening import FlatUpdate, UpdateSize
-from nestling.server.update_cohort import COHORT_MIN, cohort_outliers, cut
+from nestling.server.update_cohort import COHORT_MIN, _block, cohort_outliers, core_cosines, cut
+from tests.server.test_flat_updates import _result, _task
 
 
 def update(vector: torch.Tensor, keys: tuple[str, ...] = ("w",)) -> FlatUpdate:
@@ -158,3 +163,27 @@ def test_an_honest_run_is_bit_identical_with_the_cohort_screen_on_and_a_sign_fli
     assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
     run_simulation(digits(2, clients=6, limit=400), tmp_path / "flip", tamper=ATTACKS["sign_flipped"].tamper)
     assert counters(tmp_path / "flip").get("rejected_update_cohort") == 2
+
+
+def test_a_cohort_read_as_one_block_of_the_workspace_is_judged_as_row_by_row() -> None:
+    """Packed results measured together sit in consecutive rows of one matrix: the cosines come from four
+    matrix-vector products on it, and agree with the row-by-row sums; a flipped board is refused by both."""
+
+    task = _task()
+    packed_task = replace(task, weights=pack(task.weights))
+    pairs = [
+        (packed_task, replace(r, weights=pack(r.weights)))
+        for r in [_result(task, i, sign=-1.0 if i == 3 else 1.0) for i in range(8)]
+    ]
+    workspace = UpdateWorkspace()
+    workspace.new_round(len(pairs))
+    updates = workspace.flat_updates(pairs)
+    block = _block(updates, workspace)
+    assert block is not None and block.shape[0] == len(updates)
+    together, apart = core_cosines(updates, block), core_cosines(updates)
+    assert all(a is not None and b is not None and abs(a - b) < 1e-5 for a, b in zip(together, apart))
+    by_block, by_rows = cohort_outliers(updates, workspace=workspace), cohort_outliers(updates)
+    assert list(by_block.refused) == list(by_rows.refused) == [3]
+    assert by_block.judged == by_rows.judged == set(range(8))
+    workspace.release(updates[5])  # a refused board's row given back: no longer one block of the cohort
+    assert _block(updates[:5] + updates[6:], workspace) is None
