@@ -79,7 +79,7 @@ class MeasuredStatistics:
     # sits in it (the cohort screen, server/statistics_cohort.py, reads them without converting any tensor).
     values: np.ndarray | None = field(default=None, compare=False, repr=False)
     bounds: tuple[tuple[int, int], ...] | None = field(default=None, compare=False, repr=False)
-    # The whole matrix `values` is a row of (the results of its layout measured together), and which row.
+    # The matrix of every result measured together with this one (one layout), `values` being its row `row`.
     block: np.ndarray | None = field(default=None, compare=False, repr=False)
     row: int = field(default=0, compare=False, repr=False)
     # ... and the rms of every tensor of those results (rows alike; `rms` is this result's row of it)

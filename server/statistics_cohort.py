@@ -109,7 +109,7 @@ SEGMENT = 4096.0  # per-key offset that keeps each key's clipped values (|x| <= 
 
 
 class Segments:
-    """Contiguous column segments, one per key (`lengths` columns each), laid out for `segment_medians`: each
+    """Contiguous column segments, one per key (`lengths` columns each), laid out for `_segment_medians`: each
     column's offset and each segment's middle columns."""
 
     def __init__(self, numbers: np.ndarray, lengths: np.ndarray) -> None:
@@ -185,25 +185,23 @@ def _fast_shifts(measured: Sequence[MeasuredStatistics], judged: list[int]) -> l
     ordered = np.sort(picked, axis=0)  # every channel's median at once (np.median: ~150 us a call here)
     middle = (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
     variances, centre = picked[:, : plan.width], middle[: plan.width]
+    means, mean_middle = picked[:, plan.width :], middle[plan.width :]
     alive = centre > TINY
     if alive.all():
         segments, held = plan.every_channel, None
-    else:
+    else:  # dead channels (every board measured 0) are left out, and keys with none alive altogether
         numbers = plan.segments[alive]
         counts = np.bincount(numbers.astype(np.int64), minlength=len(plan.keys))
         held = counts > 0
         if not held.any():
             return []
         segments = Segments(np.cumsum(held)[numbers.astype(np.int64)] - 1.0, counts[held])
-    scale = centre[alive] if held is not None else centre
-    ratios = np.clip(
-        np.log(np.maximum(variances[:, alive] if held is not None else variances, 0.0) / scale), -1e3, 1e3
-    )
-    if plan.with_means:
-        means, mean_middle = picked[:, plan.width :], middle[plan.width :]
-        if held is not None:
+        variances, centre = variances[:, alive], centre[alive]
+        if plan.with_means:
             means, mean_middle = means[:, alive], mean_middle[alive]
-        sigmas = np.minimum(np.abs(means - mean_middle) / np.sqrt(scale), 1e3)
+    ratios = np.clip(np.log(np.maximum(variances, 0.0) / centre), -1e3, 1e3)
+    if plan.with_means:
+        sigmas = np.minimum(np.abs(means - mean_middle) / np.sqrt(centre), 1e3)
         both = _segment_medians(np.concatenate([ratios, sigmas]), segments)
         var_shifts, mean_shifts = both[:count], both[count:]
     else:
