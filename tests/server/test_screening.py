@@ -160,6 +160,7 @@ def test_largest_magnitude_sees_negative_weights_and_non_finite_ones() -> None:
     assert largest_magnitude({"a": torch.tensor([1.0, float("nan")])}) == math.inf
     assert largest_magnitude({**state, "b": torch.tensor([-float("inf")])}) == math.inf
     assert largest_magnitude({"steps": torch.tensor(3)}) == 0.0
+    assert largest_magnitude({"a": torch.zeros(0), "b": torch.zeros(0, 4)}) == 0.0  # no weights held at all
 
 
 def test_clipping_leaves_running_statistics_as_uploaded() -> None:
