@@ -75,15 +75,18 @@ class MeasuredStatistics:
     changed: tuple[bool, ...] | None = (
         None  # which tensors differ from what the task sent (None: all, unknown)
     )
-    # The values themselves, as measured: one row of the round's matrix for this layout, and where each tensor
-    # sits in it (the cohort screen, server/statistics_cohort.py, reads them without converting any tensor).
-    values: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # Where each tensor sits in a result's row of values, the matrix of every result measured together with
+    # this one (one layout; the cohort screen, server/statistics_cohort.py, reads it without converting any
+    # tensor), this result's row in it, and the rms of every tensor of those results (rows alike).
     bounds: tuple[tuple[int, int], ...] | None = field(default=None, compare=False, repr=False)
-    # The matrix of every result measured together with this one (one layout), `values` being its row `row`.
     block: np.ndarray | None = field(default=None, compare=False, repr=False)
     row: int = field(default=0, compare=False, repr=False)
-    # ... and the rms of every tensor of those results (rows alike; `rms` is this result's row of it)
     rms_block: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def values(self) -> np.ndarray | None:
+        """The values themselves, as measured (this result's row of `block`)."""
+        return None if self.block is None else self.block[self.row]
 
     def compared(self) -> list[tuple[str, float]]:
         """(key, rms) of the tensors the round's comparison judges: those the board changed."""
@@ -179,7 +182,6 @@ def measure(statistics: list[UploadedStatistics]) -> list[MeasuredStatistics]:
                 tuple(rms),
                 problem,
                 None if changed is None else tuple(changed[row]),
-                values[row],
                 layout.bounds,
                 values,
                 row,
@@ -261,17 +263,26 @@ def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> di
     return {index: reason for index, (_, reason) in sorted(worst.items())}
 
 
+def rows_together(measured: Sequence[MeasuredStatistics], judged: list[int]) -> list[int] | None:
+    """The rows of the judged results in their common block when they were all measured together (one layout)
+    and the boards changed every tensor: the usual round, which the screens read as one matrix; else None."""
+    block = measured[judged[0]].block
+    if block is None:
+        return None
+    for index in judged:
+        seen = measured[index]
+        if seen.block is not block or (seen.changed is not None and not all(seen.changed)):
+            return None
+    return [measured[index].row for index in judged]
+
+
 def _all_within(measured: list[MeasuredStatistics], judged: list[int], factor: float) -> bool:
     """The honest round's shortcut: every judged result measured together, all their tensors changed, and each
     tensor's rms within `factor` of every other result's (then nobody can be refused), in three numpy calls."""
+    rows = rows_together(measured, judged)
     block = measured[judged[0]].rms_block
-    if block is None:
+    if rows is None or block is None:
         return False
-    for index in judged:
-        seen = measured[index]
-        if seen.rms_block is not block or (seen.changed is not None and not all(seen.changed)):
-            return False
-    rows = [measured[index].row for index in judged]
     rms = block if rows == list(range(len(block))) else block[rows]
     return bool((rms.max(axis=0) <= factor * rms.min(axis=0)).all())
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from nestling.models.layers import is_running_variance
-from nestling.server.running_statistics import MeasuredStatistics, UploadedStatistics
+from nestling.server.running_statistics import MeasuredStatistics, UploadedStatistics, rows_together
 
 MIN_COHORT = 3  # results changing a tensor before it is judged
 TINY = 1e-12  # per-channel median variances at or below this are dead channels: not judged
@@ -163,20 +163,16 @@ def _fast_shifts(measured: Sequence[MeasuredStatistics], judged: list[int]) -> l
     channel held. All keys at once, from the matrix `measure` made: one gather, one sort for every channel's
     median, one sort for every key's median over channels (a key at a time cost ~1 ms a round on tinycnn, as
     much as the aggregation)."""
+    rows = rows_together(measured, judged)
     first = measured[judged[0]]
-    block = first.block
-    if block is None or first.bounds is None:
-        return None
-    for index in judged:
-        seen = measured[index]
-        if seen.block is not block or (seen.changed is not None and not all(seen.changed)):
-            return None  # another layout (the block is per layout), or a tensor left as sent
+    if rows is None or first.block is None or first.bounds is None:
+        return None  # results of several layouts, or a tensor a board left as sent: key by key
     plan = _plan(first.keys, first.bounds)
     if plan.mixed:
         return None
     if not plan.keys:
         return []
-    rows = [measured[index].row for index in judged]
+    block = first.block
     whole = rows == list(range(len(block)))
     picked = (block if whole else block[rows])[:, plan.columns].astype(np.float64)
     if np.isnan(picked).any():
