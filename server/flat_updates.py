@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -33,9 +32,11 @@ Shapes = tuple[tuple[int, ...], ...]
 Tensors = list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
-@dataclass(frozen=True)
-class UpdateSize:
-    """An update's L2 norm and element count; rms compares submodels of different sizes fairly."""
+class UpdateSize(NamedTuple):
+    """An update's L2 norm and element count; rms compares submodels of different sizes fairly.
+
+    The screens' small values are named tuples: a round makes three per result, and a frozen dataclass's
+    constructor (one object.__setattr__ per field) cost ~6 us a result hot, several times that in a round."""
 
     norm: float
     elements: int
@@ -45,8 +46,7 @@ class UpdateSize:
         return self.norm / math.sqrt(max(self.elements, 1))
 
 
-@dataclass(frozen=True)
-class FlatUpdate:
+class FlatUpdate(NamedTuple):
     """One result's update as a flat float32 vector over the trained floating tensors it shares with its task
     (BN running statistics apart, in `statistics`), in `keys` order, with its size. The vector is what the
     norm and direction screens measure."""
@@ -156,7 +156,7 @@ def flat_update(task: Task, result: Result) -> FlatUpdate:
         sent=tuple(sent_weights[k] for k in statistic_keys),
     )
     if not keys:
-        return replace(EMPTY, statistics=statistics)
+        return EMPTY._replace(statistics=statistics)
     trained = [result.weights[k] for k in keys]
     sent = [sent_weights[k] for k in keys]
     shapes = tuple([t.shape for t in trained])
@@ -289,7 +289,7 @@ class UpdateWorkspace:
             plan = self._plans[order] = _KeyPlan(*split_keys(weights, sent_weights))
         statistics = plan.statistics(weights, sent_weights)
         if not plan.keys:
-            return replace(EMPTY, statistics=statistics)
+            return EMPTY._replace(statistics=statistics)
         trained, sent = plan.pick(weights), plan.pick(sent_weights)
         shapes = tuple([t.shape for t in trained])
         pool = plan.pools.get(shapes)
@@ -356,7 +356,7 @@ class UpdateWorkspace:
         """A packed result against its packed task: one subtraction into the row, one norm."""
         layout = pair.layout
         if not layout.trained_size:
-            return replace(EMPTY, statistics=_packed_statistics(pair))
+            return EMPTY._replace(statistics=_packed_statistics(pair))
         pool = self._pool(layout, 1)
         row, _, index = pool.take()
         size = _subtract(row, pair)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from statistics import median
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,8 +33,7 @@ Shapes = tuple[tuple[int, ...], ...]
 FLOAT32_NORM_LIMIT = math.sqrt(float(torch.finfo(torch.float32).max))  # the update norm's float32 range, too
 
 
-@dataclass(frozen=True)
-class UploadedStatistics:
+class UploadedStatistics(NamedTuple):
     """A result's BN running statistics as uploaded (its tensors, not copies), in the result's key order.
 
     A packed result (nestling/packed.py) also hands them over as one vector, `flat`, in `keys` order, with
@@ -65,7 +65,7 @@ class UploadedStatistics:
 NO_STATISTICS = UploadedStatistics((), ())
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: its constructor is 3x faster (ten a round); nothing changes one
 class MeasuredStatistics:
     """Each statistics tensor's rms value, and what is wrong with them on their own (None: nothing)."""
 
@@ -163,13 +163,20 @@ def measure(statistics: list[UploadedStatistics]) -> list[MeasuredStatistics]:
             sums = np.zeros((len(both), len(keys)))
             sums[:, layout.nonempty] = np.add.reduceat(squares, layout.starts, axis=1)
         rms_matrix = np.sqrt(sums[:count]) / layout.roots
-        in_range = np.all(rms_matrix < FLOAT32_NORM_LIMIT, axis=1).tolist()  # False for NaN
         rms_rows = rms_matrix.tolist()
         changed = (sums[:count] != sums[count:]).tolist() if with_sent and len(both) == 2 * count else None
+        # Each row's range and sign checks, skipped when the whole block passes them (one call each): the
+        # honest round (NaN fails `<`, so a non-finite block is looked at row by row)
+        in_range = (
+            [True] * count
+            if rms_matrix.max() < FLOAT32_NORM_LIMIT
+            else np.all(rms_matrix < FLOAT32_NORM_LIMIT, axis=1).tolist()
+        )
+        variances = values[:, layout.variances] if layout.variances is not None else None
         lowest = (
-            values[:, layout.variances].min(axis=1).tolist()
-            if layout.variances is not None
-            else [0.0] * len(members)
+            [0.0] * count
+            if variances is None or variances.min() >= 0  # NaN anywhere: row by row
+            else variances.min(axis=1).tolist()
         )
         for row, (index, rms, low, fits) in enumerate(zip(members, rms_rows, lowest, in_range, strict=True)):
             problem = None

@@ -151,11 +151,42 @@ class _Plan:
         )
         self.lengths = np.asarray([len(c) for c in variance_columns], dtype=np.int64)
         self.every_channel = Segments(self.segments, self.lengths)  # the usual round: every channel alive
+        self.starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
 
 
 @lru_cache(maxsize=256)
 def _plan(keys: tuple[str, ...], bounds: tuple[tuple[int, int], ...]) -> _Plan:
     return _Plan(keys, bounds)
+
+
+MARGIN = 1.0 - 1e-6  # float32 rounding of the bounds below (a few ulps) never lets a refusal through
+
+
+def _within_bounds(
+    measured: Sequence[MeasuredStatistics], judged: list[int], variance_factor: float, mean_sigmas: float
+) -> bool:
+    """The honest round's certificate, from every channel's extremes over the results (no medians, no sort):
+    in a channel whose largest running variance is within `variance_factor` of its smallest (alive), every
+    result's variance is within that factor of the channel's median; and when its running means span less
+    than `mean_sigmas` of the smallest standard deviation, every mean is within `mean_sigmas` of the median
+    mean in the median's deviations. When more than half of every key's channels are such, every result's
+    median over channels is within bounds: nobody can be refused. Else (or not one layout) False: judge."""
+    rows = rows_together(measured, judged)
+    first = measured[judged[0]]
+    if rows is None or first.block is None or first.bounds is None:
+        return False
+    plan = _plan(first.keys, first.bounds)
+    if plan.mixed or not plan.keys:
+        return False
+    block = first.block
+    picked = (block if rows == list(range(len(block))) else block[rows])[:, plan.columns]
+    high, low = picked.max(axis=0), picked.min(axis=0)
+    width = plan.width
+    smallest = low[:width]
+    good = (high[:width] <= (variance_factor * MARGIN) * smallest) & (smallest > TINY)  # NaN: not good
+    if plan.with_means:
+        good &= high[width:] - low[width:] <= (mean_sigmas * MARGIN) * np.sqrt(smallest)
+    return bool((2 * np.add.reduceat(good, plan.starts, dtype=np.int64) > plan.lengths).all())
 
 
 def _fast_shifts(measured: Sequence[MeasuredStatistics], judged: list[int]) -> list[Shifts] | None:
@@ -267,6 +298,8 @@ def cohort_outliers(
             worst[index] = (badness, reason)
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if _within_bounds(measured, judged, variance_factor, mean_sigmas):
+            return {}
         shifts = _fast_shifts(measured, judged)
         if shifts is None:
             shifts = _slow_shifts(_rows(statistics, measured, judged))

@@ -90,8 +90,8 @@ def cohort_outliers(
             verdict.refused.update(_unproven(members, probation, f"a cohort of {len(members)}"))
             continue
         cohort = [updates[i] for i in members]
-        block = _block(cohort, workspace) if workspace is not None else None
-        cosines = list(zip(members, core_cosines(cohort, block), strict=True))
+        gram = _gram(cohort, workspace) if workspace is not None else None
+        cosines = list(zip(members, core_cosines(cohort, gram), strict=True))
         refused = _outliers([(i, c) for i, c in cosines if c is not None], probation)
         if refused is not None:
             verdict.refused.update(refused)
@@ -101,9 +101,9 @@ def cohort_outliers(
     return verdict
 
 
-def _block(cohort: list[FlatUpdate], workspace: UpdateWorkspace) -> torch.Tensor | None:
-    """The cohort's updates as one matrix, when they sit in consecutive rows of one of the workspace's matrices
-    in the same key order (the usual round: packed results measured together)."""
+def _gram(cohort: list[FlatUpdate], workspace: UpdateWorkspace) -> list[list[float]] | None:
+    """The cohort's Gram matrix, when its updates sit in consecutive rows of one of the workspace's matrices in
+    the same key order (the usual round: packed results measured together): one product of that block."""
     stacked = workspace.stacked(cohort)
     if stacked is None or any(update.keys != cohort[0].keys for update in cohort):
         return None
@@ -111,7 +111,9 @@ def _block(cohort: list[FlatUpdate], workspace: UpdateWorkspace) -> torch.Tensor
     first = rows[0]
     if rows != list(range(first, first + len(rows))):
         return None
-    return matrix[first : first + len(rows)]
+    block = matrix[first : first + len(rows)].numpy()
+    with np.errstate(over="ignore", invalid="ignore"):  # a non-finite entry has no cosine (`_cosines`)
+        return (block @ block.T).tolist()
 
 
 def _unproven(members: list[int], probation: frozenset[int], why: str) -> dict[int, str]:
@@ -125,7 +127,7 @@ def _unproven(members: list[int], probation: frozenset[int], why: str) -> dict[i
     }
 
 
-def core_cosines(cohort: list[FlatUpdate], block: torch.Tensor | None = None) -> list[float | None]:
+def core_cosines(cohort: list[FlatUpdate], gram: list[list[float]] | None = None) -> list[float | None]:
     """Each update's cosine with the mean of its cohort's core: the half of the cohort that agrees best with the
     others (the upper half of the cosines with the mean of the others), itself left out of that mean.
 
@@ -133,9 +135,9 @@ def core_cosines(cohort: list[FlatUpdate], block: torch.Tensor | None = None) ->
     honest norm spread the honest cosines of an IID round enough to hide in 2 of 10 rounds. The core leaves it out
     (a minority never reaches the upper half), so the honest cosines stay as tight as without it. The
     coordinate-wise median does the same at 100x the cost (5 ms a tinycnn round, 200 ms on ResNet-20): this is
-    two sums and twenty dot products, or, when the cohort is one `block` of rows, one Gram matrix."""
-    if block is not None:
-        return _gram_cosines(block)
+    two sums and twenty dot products, or, given the cohort's `gram` matrix, sums of its entries."""
+    if gram is not None:
+        return _gram_cosines(gram)
     squares = [update.size.norm**2 for update in cohort]
     first = cohort[0]
     rows = [_in_order(update, first) for update in cohort]
@@ -160,22 +162,21 @@ def _core(cosines: list[float | None]) -> list[bool] | None:
     return [c is not None and c >= threshold for c in cosines]
 
 
-def _gram_cosines(block: torch.Tensor) -> list[float | None]:
-    """`core_cosines` of a cohort that is one matrix of rows, from its Gram matrix G = M Mᵀ: one pass over the
-    updates instead of two sums and twenty dot products (4 matrix-vector passes over ten ResNet-20 updates took
-    3.3 ms, G 2.9). Every quantity is a sum of G's entries: u_i·S = Σ_j G_ij and |S|² = Σ_ij G_ij for S the sum
-    of the rows, over the core's columns for the core's sum; the squared norms are G's diagonal."""
-    matrix = block.numpy()
-    gram = (matrix @ matrix.T).astype(np.float64)
-    squares = np.diagonal(gram).tolist()
-    everyone_in = [True] * len(squares)
-    everyone = _cosines(gram.sum(axis=1).tolist(), float(gram.sum()), squares, everyone_in)
+def _gram_cosines(gram: list[list[float]]) -> list[float | None]:
+    """`core_cosines` from the cohort's Gram matrix G = M Mᵀ (M: its updates as rows), one pass over the updates
+    instead of two sums and twenty dot products (4 matrix-vector passes over ten ResNet-20 updates took 3.3 ms,
+    G 2.9). Every quantity is a sum of G's entries: u_i·S = Σ_j G_ij and |S|² = Σ_ij G_ij for S the sum of the
+    rows, over the core's columns for the core's sum; the squared norms are G's diagonal. G is a few dozen
+    numbers, summed in Python (float64): numpy calls on it cost more than the sums, once per round."""
+    squares = [row[i] for i, row in enumerate(gram)]
+    dots = [sum(row) for row in gram]
+    everyone = _cosines(dots, sum(dots), squares, [True] * len(gram))
     core = _core(everyone)
     if core is None:
         return everyone
-    inside = np.asarray(core, dtype=np.float64)
-    core_dots = gram @ inside
-    return _cosines(core_dots.tolist(), float(inside @ core_dots), squares, core)
+    core_dots = [sum(value for value, inside in zip(row, core, strict=True) if inside) for row in gram]
+    core_total = sum(dot for dot, inside in zip(core_dots, core, strict=True) if inside)
+    return _cosines(core_dots, core_total, squares, core)
 
 
 def _sum(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nestling.server.running_statistics import UploadedStatistics, measure
 from nestling.server.statistics_cohort import cohort_outliers
@@ -133,3 +135,58 @@ def test_the_one_layout_path_agrees_with_dead_channels_a_dead_key_and_some_resul
     with np.errstate(divide="ignore"):
         refused = cohort_outliers(uploads, measured)
     assert list(refused) == [3] and "conv.running_var" in refused[3]
+
+
+def _refused_by_the_medians(boards: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether the median-over-channels judgement, run in full, refuses anyone."""
+    from nestling.server.statistics_cohort import DEFAULT_MEAN_SIGMAS, DEFAULT_VARIANCE_FACTOR, _fast_shifts
+
+    uploads = [UploadedStatistics(tuple(b), tuple(b.values())) for b in boards]
+    measured = measure(uploads)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        (shifts,) = _fast_shifts(measured, list(range(len(boards))))
+    return bool(
+        (np.abs(shifts.variance) > np.log(DEFAULT_VARIANCE_FACTOR)).any()
+        or (shifts.mean > DEFAULT_MEAN_SIGMAS).any()
+    )
+
+
+def _certified(boards: list[dict[str, torch.Tensor]]) -> bool:
+    from nestling.server.statistics_cohort import DEFAULT_MEAN_SIGMAS, DEFAULT_VARIANCE_FACTOR, _within_bounds
+
+    uploads = [UploadedStatistics(tuple(b), tuple(b.values())) for b in boards]
+    measured = measure(uploads)
+    return _within_bounds(measured, list(range(len(boards))), DEFAULT_VARIANCE_FACTOR, DEFAULT_MEAN_SIGMAS)
+
+
+def test_an_honest_round_is_certified_without_its_medians() -> None:
+    """The usual round skips the medians: every channel's extremes already bound every result."""
+    assert _certified([board(i) for i in range(10)])
+    assert not _certified([board(i, spread=1.5) for i in range(10)])  # too spread out to certify: judged
+    assert judge([board(i, spread=1.5) for i in range(10)]) == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    boards=st.integers(3, 10),
+    spread=st.floats(0.0, 1.0),
+    factor=st.floats(0.01, 12.0),
+    shift=st.floats(-12.0, 12.0),
+    attacked=st.integers(1, 16),
+    dead=st.integers(0, 4),
+)
+def test_the_certificate_never_lets_a_refusal_through(
+    boards: int, spread: float, factor: float, shift: float, attacked: int, dead: int
+) -> None:
+    """Whatever the cohort (spread, dead channels) and one board's poison on some of its channels (variances
+    scaled, means shifted in standard deviations, near the bounds or far), a certified round is one the
+    medians refuse nobody in."""
+    cohort = [board(i, spread=spread) for i in range(boards)]
+    for b in cohort:
+        b["bn.running_var"][:dead] = 0.0
+    poisoned = cohort[0]
+    sigma = poisoned["bn.running_var"][:attacked].sqrt()
+    poisoned["bn.running_var"][:attacked] *= factor
+    poisoned["bn.running_mean"][:attacked] += shift * sigma
+    if _certified(cohort):
+        assert not _refused_by_the_medians(cohort)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from nestling.packed import pack
 from nestling.server.flat_updates import UpdateWorkspace
 from nestling.server.screening import FlatUpdate, UpdateSize
-from nestling.server.update_cohort import COHORT_MIN, _block, cohort_outliers, core_cosines, cut
+from nestling.server.update_cohort import COHORT_MIN, _gram, cohort_outliers, core_cosines, cut
 from tests.server.test_flat_updates import _result, _task
 
 
@@ -166,8 +167,8 @@ def test_an_honest_run_is_bit_identical_with_the_cohort_screen_on_and_a_sign_fli
 
 
 def test_a_cohort_read_as_one_block_of_the_workspace_is_judged_as_row_by_row() -> None:
-    """Packed results measured together sit in consecutive rows of one matrix: the cosines come from four
-    matrix-vector products on it, and agree with the row-by-row sums; a flipped board is refused by both."""
+    """Packed results measured together sit in consecutive rows of one matrix: the cosines come from its Gram
+    matrix, and agree with the row-by-row sums; a flipped board is refused by both."""
 
     task = _task()
     packed_task = replace(task, weights=pack(task.weights))
@@ -178,12 +179,13 @@ def test_a_cohort_read_as_one_block_of_the_workspace_is_judged_as_row_by_row() -
     workspace = UpdateWorkspace()
     workspace.new_round(len(pairs))
     updates = workspace.flat_updates(pairs)
-    block = _block(updates, workspace)
-    assert block is not None and block.shape[0] == len(updates)
-    together, apart = core_cosines(updates, block), core_cosines(updates)
+    gram = _gram(updates, workspace)
+    assert gram is not None and len(gram) == len(updates)
+    assert [math.sqrt(gram[i][i]) for i in range(len(gram))] == pytest.approx([u.size.norm for u in updates])
+    together, apart = core_cosines(updates, gram), core_cosines(updates)
     assert all(a is not None and b is not None and abs(a - b) < 1e-5 for a, b in zip(together, apart))
     by_block, by_rows = cohort_outliers(updates, workspace=workspace), cohort_outliers(updates)
     assert list(by_block.refused) == list(by_rows.refused) == [3]
     assert by_block.judged == by_rows.judged == set(range(8))
     workspace.release(updates[5])  # a refused board's row given back: no longer one block of the cohort
-    assert _block(updates[:5] + updates[6:], workspace) is None
+    assert _gram(updates[:5] + updates[6:], workspace) is None
