@@ -365,11 +365,26 @@ def screen_norms(
 ) -> tuple[dict[int, str], dict[int, float]]:
     """`outliers` and `soft_bounds` together, each update's reference worked out once (the coordinator
     needs both every round). A bound is given for refused updates too; the caller skips those."""
+    rms = [size.rms for size in sizes]
+    if (
+        len(rms) > 1
+        and math.isfinite(largest := max(rms))
+        and largest <= policy.update_norm_factor * min(rms)
+    ):
+        # the honest round: every rms within factor of every other, so of every reference (none is below
+        # the smallest, and `recent` only raises it): nothing refused or bounded, no quantiles to work out
+        return {}, {}
+    return _screen_each(sizes, rms, policy, recent)
+
+
+def _screen_each(
+    sizes: list[UpdateSize], rms: list[float], policy: RobustPolicy, recent: float | None
+) -> tuple[dict[int, str], dict[int, float]]:
+    """`screen_norms` update by update, against each one's reference."""
     refused: dict[int, str] = {}
     bounds: dict[int, float] = {}
     factor = policy.update_norm_factor
-    for i, (size, typical) in enumerate(zip(sizes, _others_reference([s.rms for s in sizes]), strict=True)):
-        mine = size.rms
+    for i, (size, typical, mine) in enumerate(zip(sizes, _others_reference(rms), rms, strict=True)):
         if typical is None:
             continue
         reference = max(typical, recent or 0.0)

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
@@ -227,3 +229,25 @@ def test_a_few_closely_agreeing_boards_do_not_make_a_slightly_negative_honest_on
     policy = RobustPolicy(min_update_cosine=0.0)
     assert direction_outliers([0.255, 0.265, 0.275, -0.029], policy) == {}
     assert list(direction_outliers([0.8, 0.75, 0.82, 0.78, -0.78], policy)) == [4]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    base=st.floats(1e-6, 1e3),
+    multiples=st.lists(
+        st.one_of(st.floats(0.05, 15.0), st.sampled_from([math.inf, 0.0, 1.0, 10.0])), min_size=1, max_size=12
+    ),
+    elements=st.integers(1, 10_000),
+    recent=st.one_of(st.none(), st.floats(0.0, 1e3)),
+)
+def test_the_honest_round_shortcut_decides_as_update_by_update(
+    base: float, multiples: list[float], elements: int, recent: float | None
+) -> None:
+    """A round whose rms are all within the factor of each other skips the per-update references: whatever
+    the round (spreads either side of the factor, exactly at it, zeros, non-finite), the result is the one the
+    update-by-update screen gives."""
+    from nestling.server.screening import _screen_each
+
+    sizes = [UpdateSize(base * multiple, elements) for multiple in multiples]
+    policy = RobustPolicy()
+    assert screen_norms(sizes, policy, recent) == _screen_each(sizes, [s.rms for s in sizes], policy, recent)
