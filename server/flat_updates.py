@@ -20,6 +20,7 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from nestling.errors import SpecError
@@ -180,11 +181,14 @@ class _RowPool:
         self.size = sum(math.prod(s) for s in shapes)
         self.peak = 0  # most rows lent at once since the last reset
         self.lent = 0
+        # The Gram matrix of rows written together (first row, entries), until one of them is lent again
+        self.gram: tuple[int, list[list[float]]] | None = None
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
         self.matrix = torch.empty(capacity, self.size, dtype=torch.float32)
         self.rows: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = [None] * capacity
+        self.gram = None
         self.free = list(range(capacity - 1, -1, -1))  # row 0 is lent first
 
     def take(self) -> tuple[torch.Tensor, list[torch.Tensor], int]:
@@ -195,6 +199,8 @@ class _RowPool:
             row = torch.empty(self.size, dtype=torch.float32)
             return row, views_of(row, self.shapes), -1
         index = self.free.pop()
+        if self.gram is not None and 0 <= index - self.gram[0] < len(self.gram[1]):
+            self.gram = None  # that row is about to be rewritten
         cached = self.rows[index]
         if cached is None:  # the same row object every round: its identity finds it again
             row = self.matrix[index]
@@ -214,6 +220,21 @@ class _RowPool:
         else:
             self.free = list(range(self.matrix.shape[0] - 1, -1, -1))
         self.peak = self.lent = 0
+        self.gram = None
+
+
+def _norms(pool: _RowPool, first: int, count: int, gram: bool) -> list[float]:
+    """The norms of `count` rows from `first`; with `gram`, from their Gram matrix, kept on the pool."""
+    block = pool.matrix[first : first + count]
+    if gram and count > 1:
+        matrix = block.numpy()
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is looked at below
+            entries = (matrix @ matrix.T).tolist()
+        squares = [row[i] for i, row in enumerate(entries)]
+        if all(math.isfinite(square) for square in squares):
+            pool.gram = (first, entries)
+            return [math.sqrt(square) for square in squares]
+    return torch.linalg.vector_norm(block, dim=1).tolist()
 
 
 class _KeyPlan:
@@ -309,9 +330,15 @@ class UpdateWorkspace:
         other packed results in a few operations instead of three per result."""
         return _packed_pair(task, result) is not None
 
-    def flat_updates(self, pairs: list[tuple[Task, Result]]) -> list[FlatUpdate]:
+    def flat_updates(self, pairs: list[tuple[Task, Result]], gram: bool = False) -> list[FlatUpdate]:
         """Each pair's update, as `flat_update` gives it; packed pairs of one layout are written into
-        consecutive rows of their pool, one subtraction each, and their norms taken in one call per layout."""
+        consecutive rows of their pool, one subtraction each, and their norms taken in one call per layout.
+
+        With `gram` (the cohort screen will compare them), their Gram matrix instead of their norms: the cohort
+        screen reads its dot products (`gram`) and the norms are the roots of its diagonal, so no pass over the
+        updates is spent on norms alone (ten ResNet-20 updates: the screens' 9.2 ms became 8.0). Its float32
+        sums differ from the norm's in the last digits; an update whose square is not finite there (an overflow
+        the norm may not have) has all the norms taken as without it."""
         updates: list[FlatUpdate | None] = [None] * len(pairs)
         groups: dict[PackLayout, list[tuple[int, _PackedPair]]] = {}
         for i, (task, result) in enumerate(pairs):
@@ -330,7 +357,7 @@ class UpdateWorkspace:
                 # rows three times: 3.8 against 2.7 ms for ten ResNet-20 updates), then every norm in one call
                 for row, (_, pair) in zip(rows, members, strict=True):
                     torch.sub(pair.uploaded, pair.sent, out=row)
-                norms = torch.linalg.vector_norm(pool.matrix[first : first + len(taken)], dim=1).tolist()
+                norms = _norms(pool, first, len(taken), gram)
             else:  # rows scattered (some were given back) or outside the matrix: one at a time
                 for row, (_, pair) in zip(rows, members, strict=True):
                     torch.sub(pair.uploaded, pair.sent, out=row)
@@ -345,6 +372,23 @@ class UpdateWorkspace:
                     _packed_statistics(pair),
                 )
         return [update for update in updates if update is not None]
+
+    def gram(self, updates: list[FlatUpdate]) -> list[list[float]] | None:
+        """u_i · u_j for these updates, when `flat_updates` computed them for their rows (else None)."""
+        pool, at = None, []
+        for update in updates:
+            lent = self._lent_row(update)
+            if lent is None or lent[2] < 0 or (pool is not None and lent[1] is not pool):
+                return None
+            pool = lent[1]
+            at.append(lent[2])
+        if pool is None or pool.gram is None:
+            return None
+        first, entries = pool.gram
+        at = [index - first for index in at]
+        if min(at) < 0 or max(at) >= len(entries):
+            return None
+        return [[entries[i][j] for j in at] for i in at]
 
     def _pool(self, layout: PackLayout, wanted: int) -> _RowPool:
         pool = self._packed.get(layout)

@@ -176,7 +176,9 @@ class RoundScreen:
         if not waiting:
             return accepted
         refused: set[str] = set()
-        for (_, result), update in zip(waiting, self.workspace.flat_updates(waiting), strict=True):
+        # the cohort screen will compare them: measured with their Gram matrix (norms from its diagonal)
+        gram = self.robust.cohort_screen and len(waiting) >= COHORT_MIN
+        for (_, result), update in zip(waiting, self.workspace.flat_updates(waiting, gram), strict=True):
             reason = absolute_reason(update.size, self.robust)
             if reason is None:
                 self.updates[result.task_id] = update

@@ -102,10 +102,16 @@ def cohort_outliers(
 
 
 def _gram(cohort: list[FlatUpdate], workspace: UpdateWorkspace) -> list[list[float]] | None:
-    """The cohort's Gram matrix, when its updates sit in consecutive rows of one of the workspace's matrices in
-    the same key order (the usual round: packed results measured together): one product of that block."""
+    """The cohort's Gram matrix, when its updates are rows of one of the workspace's matrices in the same key
+    order (the usual round: packed results measured together): the one their measurement computed, or one
+    product of their block when they sit in consecutive rows."""
+    if any(update.keys != cohort[0].keys for update in cohort):
+        return None
+    measured = workspace.gram(cohort)
+    if measured is not None:
+        return measured
     stacked = workspace.stacked(cohort)
-    if stacked is None or any(update.keys != cohort[0].keys for update in cohort):
+    if stacked is None:
         return None
     matrix, rows = stacked
     first = rows[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nestling.packed import pack
-from nestling.server.flat_updates import UpdateWorkspace
+from nestling.server.flat_updates import UpdateWorkspace, flat_update
 from nestling.server.screening import FlatUpdate, UpdateSize
 from nestling.server.update_cohort import COHORT_MIN, _gram, cohort_outliers, core_cosines, cut
 from tests.server.test_flat_updates import _result, _task
@@ -168,7 +168,8 @@ def test_an_honest_run_is_bit_identical_with_the_cohort_screen_on_and_a_sign_fli
 
 def test_a_cohort_read_as_one_block_of_the_workspace_is_judged_as_row_by_row() -> None:
     """Packed results measured together sit in consecutive rows of one matrix: the cosines come from its Gram
-    matrix, and agree with the row-by-row sums; a flipped board is refused by both."""
+    matrix, and agree with the row-by-row sums; a flipped board is refused by both. Measured with the Gram
+    matrix, the norms are its diagonal's roots and a cohort missing a refused board still reads it."""
 
     task = _task()
     packed_task = replace(task, weights=pack(task.weights))
@@ -176,16 +177,40 @@ def test_a_cohort_read_as_one_block_of_the_workspace_is_judged_as_row_by_row() -
         (packed_task, replace(r, weights=pack(r.weights)))
         for r in [_result(task, i, sign=-1.0 if i == 3 else 1.0) for i in range(8)]
     ]
+    for measured_with_gram in (False, True):
+        workspace = UpdateWorkspace()
+        workspace.new_round(len(pairs))
+        updates = workspace.flat_updates(pairs, gram=measured_with_gram)
+        assert (workspace.gram(updates) is not None) == measured_with_gram
+        alone = [flat_update(t, r).size.norm for t, r in pairs]
+        assert [u.size.norm for u in updates] == pytest.approx(alone, rel=1e-5)
+        gram = _gram(updates, workspace)
+        assert gram is not None and len(gram) == len(updates)
+        assert [math.sqrt(gram[i][i]) for i in range(len(gram))] == pytest.approx(alone, rel=1e-5)
+        together, apart = core_cosines(updates, gram), core_cosines(updates)
+        assert all(a is not None and b is not None and abs(a - b) < 1e-5 for a, b in zip(together, apart))
+        by_block, by_rows = cohort_outliers(updates, workspace=workspace), cohort_outliers(updates)
+        assert list(by_block.refused) == list(by_rows.refused) == [3]
+        assert by_block.judged == by_rows.judged == set(range(8))
+        workspace.release(updates[5])  # a refused board's row given back: no longer one block of the cohort
+        rest = updates[:5] + updates[6:]
+        assert (_gram(rest, workspace) is not None) == measured_with_gram  # read off the measured one
+        assert cohort_outliers(rest, workspace=workspace).refused == cohort_outliers(rest).refused
+    workspace.flat_update(*pairs[0])  # a row lent again, rewritten: the measured Gram matrix no longer holds
+    assert workspace.gram(rest) is None and _gram(rest, workspace) is None
+
+
+def test_an_overflowing_square_has_the_norms_taken_as_without_the_gram_matrix() -> None:
+    """An update whose squares overflow float32 in the Gram product keeps the norm the norm pass gives it."""
+    task = _task()
+    packed_task = replace(task, weights=pack(task.weights))
+    results = [_result(task, i) for i in range(5)]
+    huge = {k: v * 1e20 if v.is_floating_point() else v for k, v in results[0].weights.items()}
+    pairs = [(packed_task, replace(r, weights=pack(r.weights))) for r in [replace(results[0], weights=huge)]]
+    pairs += [(packed_task, replace(r, weights=pack(r.weights))) for r in results[1:]]
     workspace = UpdateWorkspace()
     workspace.new_round(len(pairs))
-    updates = workspace.flat_updates(pairs)
-    gram = _gram(updates, workspace)
-    assert gram is not None and len(gram) == len(updates)
-    assert [math.sqrt(gram[i][i]) for i in range(len(gram))] == pytest.approx([u.size.norm for u in updates])
-    together, apart = core_cosines(updates, gram), core_cosines(updates)
-    assert all(a is not None and b is not None and abs(a - b) < 1e-5 for a, b in zip(together, apart))
-    by_block, by_rows = cohort_outliers(updates, workspace=workspace), cohort_outliers(updates)
-    assert list(by_block.refused) == list(by_rows.refused) == [3]
-    assert by_block.judged == by_rows.judged == set(range(8))
-    workspace.release(updates[5])  # a refused board's row given back: no longer one block of the cohort
-    assert _gram(updates[:5] + updates[6:], workspace) is None
+    updates = workspace.flat_updates(pairs, gram=True)
+    assert workspace.gram(updates) is None
+    assert [u.size.norm for u in updates] == [flat_update(t, r).size.norm for t, r in pairs]
+    assert updates[0].size.norm == math.inf and all(math.isfinite(u.size.norm) for u in updates[1:])
