@@ -97,6 +97,13 @@ def test_a_corrected_result_after_a_refused_one_is_accepted(broker):
         task1, session1 = devices[1].next_task()
         devices[0].send_result(inflated_samples(task0, 0), session0)
         devices[0].send_result(honest(task0, 0), session0)
+        # board 1 answers once the correction is in: the two boards' frames travel on separate connections,
+        # and a round whose boards have all answered closes (a refused result is its board's answer)
+        wait_until(
+            lambda: task0.task_id in coordinator.admission.seen_tasks,
+            30,
+            "the corrected result to be admitted",
+        )
         devices[1].send_result(honest(task1, 1), session1)
         record = running.result(timeout=60)
     assert record.counters["rejected_num_samples"] == 1 and record.accepted == 2 and record.aggregated
