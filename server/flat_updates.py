@@ -375,17 +375,13 @@ class UpdateWorkspace:
 
     def gram(self, updates: list[FlatUpdate]) -> list[list[float]] | None:
         """u_i · u_j for these updates, when `flat_updates` computed them for their rows (else None)."""
-        pool, at = None, []
-        for update in updates:
-            lent = self._lent_row(update)
-            if lent is None or lent[2] < 0 or (pool is not None and lent[1] is not pool):
-                return None
-            pool = lent[1]
-            at.append(lent[2])
-        if pool is None or pool.gram is None:
+        held = self._rows_of(updates)
+        gram = held[0].gram if held is not None else None
+        if held is None or gram is None:
             return None
-        first, entries = pool.gram
-        at = [index - first for index in at]
+        first, entries = gram
+        rows = held[1]
+        at = [index - first for index in rows]
         if min(at) < 0 or max(at) >= len(entries):
             return None
         return [[entries[i][j] for j in at] for i in at]
@@ -420,6 +416,11 @@ class UpdateWorkspace:
 
     def stacked(self, updates: list[FlatUpdate]) -> tuple[torch.Tensor, list[int]] | None:
         """The matrix whose rows hold all these updates (one layout) and where, or None."""
+        held = self._rows_of(updates)
+        return (held[0].matrix, held[1]) if held is not None else None
+
+    def _rows_of(self, updates: list[FlatUpdate]) -> tuple[_RowPool, list[int]] | None:
+        """The one pool whose matrix rows hold all these updates, and the rows; None otherwise (or no updates)."""
         pool, rows = None, []
         for update in updates:
             lent = self._lent_row(update)
@@ -427,4 +428,4 @@ class UpdateWorkspace:
                 return None
             pool = lent[1]
             rows.append(lent[2])
-        return (pool.matrix, rows) if pool is not None else None
+        return (pool, rows) if pool is not None else None
