@@ -12,7 +12,7 @@ that cosine is
   everyone, +0.3..+0.5 against medians of +0.8..+0.9: a floor of 0.2 let it through there, where it did most
   of its harm, and 0.5 refuses it in those of them where it is 8 deviations out), and
 * more than SPREADS robust deviations below the cohort's median cosine (the deviations' median, at least
-  MIN_SPREAD each), and
+  MIN_SPREAD each, widened in cohorts of fewer than twelve: SMALL_COHORT_WIDENING), and
 * in a cohort whose median cosine is at least CONSENSUS, refusing at most a minority.
 
 On a skewed fleet honest cosines spread out and their median falls (digits, 10 boards, 10 honest rounds: round
@@ -41,6 +41,13 @@ COHORT_MIN = 5  # fewer updates of one submodel in a round: not judged (one bad 
 FLOOR = 0.5  # an update must point less along its cohort than this (60 degrees) to be refused
 SPREADS = 8.0  # ... and be this many robust deviations below the cohort's median cosine
 MIN_SPREAD = 0.05  # a deviation counts at least this (a few closely agreeing boards: the MAD is near 0)
+# A small cohort's deviation is taken this much wider than a cohort of ten's, so that its lowest honest update
+# falls beyond the cut no more often. Its median and deviation rest on a few boards: of five Gaussian draws the
+# lowest lies more than 8 deviations below the median in 5.5 % of draws, of ten in 1.5 %. Each factor is the
+# n-draw quantile at ten's rate over 8 (recomputed by tests/server/test_update_cohort.py).
+# An honest ScaleFL-preset DepthFL board was refused without it: cosine -0.063 in a cohort of five at the last
+# learning rate, [-0.063, 0.206, 0.484, 0.496, 0.502], three boards agreeing within 0.018 and two spread below.
+SMALL_COHORT_WIDENING = {5: 2.07, 6: 1.29, 7: 1.39, 8: 1.10, 9: 1.15, 11: 1.03}
 # Boards on probation (set aside before for being refused, server/strikes.py) are refused this many deviations
 # below the median. A label flipper back from its time aside passed its first round late in a 20-round run, where
 # honest updates spread out and 8 deviations reach far, and that one round took FedAvg on digits from 70 % to 51 %.
@@ -229,7 +236,7 @@ def cut(values: list[float], spreads: float = SPREADS) -> float | None:
     centre = median(values)
     if centre < CONSENSUS:
         return None
-    spread = max(median(abs(c - centre) for c in values), MIN_SPREAD)
+    spread = max(median(abs(c - centre) for c in values), MIN_SPREAD) * SMALL_COHORT_WIDENING.get(len(values), 1.0)
     return min(FLOOR, centre - spreads * spread)
 
 

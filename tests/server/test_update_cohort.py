@@ -5,13 +5,22 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 from nestling.packed import pack
 from nestling.server.flat_updates import UpdateWorkspace, flat_update
 from nestling.server.screening import FlatUpdate, UpdateSize
-from nestling.server.update_cohort import COHORT_MIN, _gram, cohort_outliers, core_cosines, cut
+from nestling.server.update_cohort import (
+    COHORT_MIN,
+    SMALL_COHORT_WIDENING,
+    _gram,
+    _outliers,
+    cohort_outliers,
+    core_cosines,
+    cut,
+)
 from tests.server.test_flat_updates import _result, _task
 
 
@@ -82,15 +91,46 @@ def test_each_submodel_is_its_own_cohort_whatever_order_its_tensors_came_in() ->
 
 def test_the_cut_needs_a_consensus_and_falls_below_a_spread_out_cohort() -> None:
     assert cut([0.1, 0.2, 0.25, 0.15, 0.3]) is None  # no common direction: nothing refused
-    iid = [0.62, 0.6, 0.65, 0.58, 0.66, 0.61, 0.63, 0.59, 0.64]
+    iid = [0.62, 0.6, 0.65, 0.58, 0.66, 0.61, 0.63, 0.59, 0.64, 0.62]
     assert cut(iid) == pytest.approx(0.62 - 8 * 0.05)  # 8 deviations (at least 0.05 each) below the median
-    early = [0.95, 0.94, 0.96, 0.93, 0.95, 0.97, 0.94, 0.96, 0.95]  # first rounds: everyone points downhill
+    assert cut(iid[:9]) == pytest.approx(0.62 - 8 * 0.05 * SMALL_COHORT_WIDENING[9])  # nine: a wider deviation
+    early = [0.95, 0.94, 0.96, 0.93, 0.95, 0.97, 0.94, 0.96, 0.95, 0.95]  # first rounds: everyone points downhill
     assert cut(early) == 0.5  # the floor decides: an update within 60 degrees of its cohort is never refused
     skewed = [0.6, 0.55, 0.45, 0.2, 0.1, 0.4, 0.5, 0.62, -0.3]  # honest non-IID: a wide spread
     bound = cut(skewed)
     assert bound is not None and bound < min(skewed)
     # digits at Dirichlet(0.5), round 1 (docs/benchmarks.md): median +0.33, under the consensus level
     assert cut([-0.03, 0.33, 0.35, 0.3, 0.2, 0.34, 0.36, 0.31, 0.25, 0.4]) is None
+
+
+def test_an_honest_straggler_in_a_cohort_of_five_is_kept_a_sign_flip_is_not() -> None:
+    """The ScaleFL preset's DepthFL, seed 1, round 18 (lr 0.001): one honest board of a cohort of five at -0.063
+    against three agreeing within 0.018. Without the widening its cut was +0.084 and the board was refused."""
+    straggler = [-0.063, 0.206, 0.484, 0.496, 0.502]
+    assert _outliers(list(enumerate(straggler)), frozenset()) == {}
+    honest = cohort(COHORT_MIN - 1)
+    vectors = [-honest[0], *honest]
+    assert list(cohort_outliers([update(v) for v in vectors]).refused) == [0]  # a sign flip is still refused
+
+
+def small_cohort_widening(sizes: range, draws: int, seed: int) -> dict[int, float]:
+    """For each cohort size n, the depth below the median (in median absolute deviations) that the lowest of n
+    Gaussian draws exceeds as often as the lowest of ten exceeds 8, over 8."""
+    rng = np.random.default_rng(seed)
+
+    def depth(n: int) -> np.ndarray:
+        x = rng.standard_normal((draws, n))
+        centre = np.median(x, axis=1)
+        return (centre - x.min(axis=1)) / np.median(np.abs(x - centre[:, None]), axis=1)
+
+    rate = float((depth(10) > 8.0).mean())
+    return {n: float(np.quantile(depth(n), 1 - rate)) / 8.0 for n in sizes}
+
+
+def test_the_small_cohort_widening_holds_every_size_to_ten_s_rate_of_false_refusals() -> None:
+    measured = small_cohort_widening(range(COHORT_MIN, 13), draws=200_000, seed=0)
+    for n, factor in measured.items():  # sizes left out of the table are ten's (larger ones never narrowed)
+        assert SMALL_COHORT_WIDENING.get(n, 1.0) == pytest.approx(max(factor, 1.0), rel=0.05), n
 
 
 def test_two_camps_of_one_size_have_no_consensus_and_nobody_is_refused() -> None:
