@@ -4,7 +4,8 @@ Digits, 10 boards, every board every round, the same seed and rounds for every r
 per run. The extreme attacks of issue 16 (every round instead of its trained result: huge finite values 3.0e38,
 its update x100, its update sign-flipped, all-zero weights claiming 10**9 samples, BN running variances x10^4)
 and the in-range ones of issue 25: BN running variances x9, 0 or 1e-30, running means +8 standard deviations
-(honest weights); a consistent sample-count lie (10**9 in the hello and in every result) with honest weights,
+(honest weights), and inside any bound an honest round needs: variances x3.9 or x0.26, means +2.9 standard
+deviations; a consistent sample-count lie (10**9 in the hello and in every result) with honest weights,
 with noise and with label-flipped training; noise of its honest update's norm; a hello claiming another
 board's index; a hostile hello field; a hostile result metric. Hellos go through the server's hello decoding
 and registry (server/registry.py) and hostile results through the wire codec, as on a fleet; the rest through
@@ -108,14 +109,17 @@ def variances_set(value: float) -> Tamper:
     return attack
 
 
-def means_shifted(task: Task, result: Result) -> Result:
-    """Every BN running mean moved by 8 of its channel's standard deviations."""
+def means_by(sigmas: float) -> Tamper:
+    """Every BN running mean moved by `sigmas` of its channel's standard deviations."""
 
-    def change(key: str, value: torch.Tensor, weights: dict) -> torch.Tensor:
-        variance = weights.get(key.replace("running_mean", "running_var")) if _is_mean(key) else None
-        return value + 8.0 * variance.clamp_min(0).sqrt() if variance is not None else value
+    def attack(task: Task, result: Result) -> Result:
+        def change(key: str, value: torch.Tensor, weights: dict) -> torch.Tensor:
+            variance = weights.get(key.replace("running_mean", "running_var")) if _is_mean(key) else None
+            return value + sigmas * variance.clamp_min(0).sqrt() if variance is not None else value
 
-    return _statistics(result, change)
+        return _statistics(result, change)
+
+    return attack
 
 
 def _noise(task: Task, result: Result, times: float) -> Result:
@@ -254,7 +258,11 @@ ATTACKS: dict[str, Attack] = {
     "bn_variance_x9": Attack(variances_times(9.0), kind="in-range"),
     "bn_variance_zero": Attack(variances_set(0.0), kind="in-range"),
     "bn_variance_1e-30": Attack(variances_set(1e-30), kind="in-range"),
-    "bn_mean_8_sigma": Attack(means_shifted, kind="in-range"),
+    "bn_mean_8_sigma": Attack(means_by(8.0), kind="in-range"),
+    # inside any bound an honest round needs (variance_factor 4, mean_sigmas 3): only the median stops them
+    "bn_variance_x3.9": Attack(variances_times(3.9), kind="in-range"),
+    "bn_variance_x0.26": Attack(variances_times(0.26), kind="in-range"),
+    "bn_mean_2.9_sigma": Attack(means_by(2.9), kind="in-range"),
     "sample_lie_honest": Attack(lying(), hello_with(num_samples=LIE), kind="in-range"),
     "sample_lie_noise": Attack(lying(noisy), hello_with(num_samples=LIE), kind="in-range"),
     "sample_lie_label_flip": Attack(lying(), hello_with(num_samples=LIE), kind="in-range", flips=True),
@@ -281,6 +289,7 @@ def config(a: argparse.Namespace, screening: bool, seed: int | None = None) -> A
                 "screen_updates": screening,
                 "divergence_guard": screening,
                 "aggregation": a.aggregation,
+                "bn_statistics": a.bn_statistics,
                 "cohort_screen": screening and a.cohort_screen == "on",
                 **({} if a.min_update_cosine is None else {"min_update_cosine": a.min_update_cosine}),
             },
@@ -478,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         help="[run] aggregation for every run, honest ones included (default: the methods' mean)",
     )
     parser.add_argument(
+        "--bn-statistics",
+        default="median",
+        choices=("median", "mean"),
+        help="[run] bn_statistics for every run (default median, the run default; mean: the papers')",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=None,
@@ -556,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     partition = a.partition if a.partition == "iid" else f"dirichlet({a.alpha:g})"
     print(
         f"{a.rounds} rounds, seeds {seeds}, {a.model}/{a.method}, {partition}, aggregation {a.aggregation}, "
-        f"cohort screen {a.cohort_screen}; wall {time.perf_counter() - started:.0f}s; "
+        f"BN statistics {a.bn_statistics}, cohort screen {a.cohort_screen}; wall {time.perf_counter() - started:.0f}s; "
         f"honest screened == unscreened accuracy: {same}"
     )
     print(

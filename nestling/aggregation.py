@@ -9,6 +9,12 @@ Robust rules (`robust_rule("trimmed_mean" | "median")`, chosen by the coordinato
 aggregation) replace the weighted mean element by element over the contributions that hold each
 element (regions and HeteroFL row masks respected), unweighted so a claimed sample count cannot buy
 influence. Every strategy aggregates through masked_mean, so the rule reaches all of them.
+
+BN running statistics have a rule of their own ([run] bn_statistics, `robust_rule(statistics=...)`):
+"median" takes each channel's median over the boards holding it. They are a board's own word, not a step
+the model took: one board of ten sending variances x3.9, x0.26 or means +2.9 sigma (each inside any bound
+an honest round allows) took a FedAvg model to chance through the weighted mean, and moves a median by at
+most one board's rank. "mean" is the papers' weighted mean.
 """
 
 from __future__ import annotations
@@ -21,20 +27,27 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nestling.models.layers import is_running_statistic
 from nestling.slicing import Region
 
 ROBUST_RULES = ("mean", "trimmed_mean", "median")
-_RULE: ContextVar[tuple[str, float]] = ContextVar("nestling_aggregation_rule", default=("mean", 0.0))
+STATISTICS_RULES = ("median", "mean")  # [run] bn_statistics: the first is the default
+_RULE: ContextVar[tuple[str, float, str]] = ContextVar(
+    "nestling_aggregation_rule", default=("mean", 0.0, "mean")
+)
 
 
 @contextmanager
-def robust_rule(rule: str, trim_fraction: float = 0.1) -> Iterator[None]:
-    """Aggregate with `rule` inside the block (mean: each method's own weighted masked mean)."""
+def robust_rule(rule: str, trim_fraction: float = 0.1, statistics: str = "mean") -> Iterator[None]:
+    """Aggregate with `rule` inside the block (mean: each method's own weighted masked mean), and BN running
+    statistics with `statistics` (median: per channel; a robust `rule` applies to them too)."""
     if rule not in ROBUST_RULES:
         raise ValueError(f"aggregation rule must be one of {ROBUST_RULES}, got {rule!r}")
     if not 0.0 <= trim_fraction < 0.5:
         raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
-    token = _RULE.set((rule, trim_fraction))
+    if statistics not in STATISTICS_RULES:
+        raise ValueError(f"BN statistics rule must be one of {STATISTICS_RULES}, got {statistics!r}")
+    token = _RULE.set((rule, trim_fraction, statistics))
     try:
         yield
     finally:
@@ -77,7 +90,11 @@ def _aggregate_key(old: torch.Tensor, key: str, group: list[Contribution]) -> to
             region = c.regions[key]
             result[region].copy_(torch.maximum(result[region], c.tensors[key]))
         return result
-    rule, trim = _RULE.get()
+    rule, trim, statistics = _RULE.get()
+    if rule == "mean" and statistics == "median" and is_running_statistic(key):
+        if all(c.tensors[key].shape == old.shape and key not in c.row_masks for c in group):
+            return _full_median(old, [c.tensors[key] for c in group])
+        rule = "median"
     if rule != "mean":
         return _coordinatewise(old, key, group, rule, trim)
     acc = torch.zeros_like(old, dtype=torch.float64 if old.dtype == torch.float64 else torch.float32)
@@ -102,6 +119,16 @@ def _aggregate_key(old: torch.Tensor, key: str, group: list[Contribution]) -> to
     covered = count > 0
     result = torch.where(covered, acc / count.clamp_min(1e-12), old.to(acc.dtype))
     return result.to(old.dtype)
+
+
+def _full_median(old: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The element-wise median of tensors that each hold all of `old` (the usual BN statistics of a round): one
+    stack and one sort, about what the weighted mean of the same tensors costs (`_coordinatewise`'s general
+    path took ~250 us a key)."""
+    dtype = torch.float64 if old.dtype == torch.float64 else torch.float32
+    ordered = torch.stack([t.to(dtype) for t in tensors]).sort(dim=0).values
+    n = len(tensors)
+    return ordered[(n - 1) // 2].add(ordered[n // 2]).mul_(0.5).to(old.dtype)
 
 
 def _coordinatewise(

@@ -137,7 +137,10 @@ class RunSection:
     # registered sample count, and weighs at most max_weight_share of its round (0: no bound).
     max_sample_factor: float = 3.0
     max_weight_share: float = 0.3
-    # BN running statistics against the cohort, channel by channel (server/statistics_cohort.py)
+    # How BN running statistics are aggregated: "median" per channel over the boards holding it (a board's
+    # in-range lie moves it by one rank at most), or "mean", the papers' weighted mean (nestling/aggregation.py)
+    bn_statistics: str = "median"
+    # With "mean": BN running statistics against the cohort, channel by channel (server/statistics_cohort.py)
     bn_variance_factor: float = 4.0
     bn_mean_sigmas: float = 3.0
     # refuse an update far off the direction of its submodel's other updates in the round, in cohorts of 5+
@@ -148,6 +151,7 @@ class RunSection:
 BACKENDS = ("auto", "inprocess", "pool", "ray")
 BATCHING = ("off", "on", "auto")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")  # [run] aggregation (nestling.aggregation.robust_rule)
+STATISTICS_RULES = ("median", "mean")  # [run] bn_statistics (nestling.aggregation.STATISTICS_RULES)
 PRECISIONS = ("fp32", "bf16")  # [train] precision: edge/execution.py applies it
 SERVER_TIMES = ("none", "fixed", "measured")  # [run] server_time: simulator/server_time.py
 FIXED_SERVER_TIMES = ("server_round_s", "server_eval_s", "server_checkpoint_s")
@@ -201,6 +205,10 @@ class SimConfig:
             (
                 self.run.aggregation in AGGREGATIONS,
                 f"[run] aggregation must be one of {', '.join(AGGREGATIONS)}",
+            ),
+            (
+                self.run.bn_statistics in STATISTICS_RULES,
+                f"[run] bn_statistics must be one of {', '.join(STATISTICS_RULES)}, got {self.run.bn_statistics!r}",
             ),
             (0.0 <= self.run.trim_fraction < 0.5, "[run] trim_fraction must be in [0, 0.5)"),
             (self.run.update_norm_factor > 1, "[run] update_norm_factor must be > 1"),

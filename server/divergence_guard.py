@@ -72,7 +72,7 @@ class DivergenceGuard:
                 self._scale if self._scale is not None else largest_magnitude(self.strategy.global_state)
             )
         try:
-            with robust_rule(robust.aggregation, robust.trim_fraction):
+            with robust_rule(robust.aggregation, robust.trim_fraction, robust.bn_statistics):
                 self.strategy.aggregate(round_index, accepted)
         except Exception as exc:  # a result that slipped past validation must not stop the run
             if before is None:

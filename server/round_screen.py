@@ -132,7 +132,8 @@ class RoundScreen:
     def _screen_sizes(
         self, round_index: int, accepted: Pairs, counters: Counter[str], softened: dict[str, float]
     ) -> tuple[Pairs, float | None]:
-        """The norm screens and the BN statistics screens (on their own, x10 the round's, the cohort's)."""
+        """The norm screens and the BN statistics screens (on their own, x10 the round's; with the papers' mean
+        of BN statistics, the cohort's)."""
         robust = self.robust
         accepted = list(accepted)  # soft clipping replaces entries: not in the caller's list
         updates = [self.updates[r.task_id] for _, r in accepted]
@@ -140,13 +141,18 @@ class RoundScreen:
         statistics = measure_statistics([u.statistics for u in updates])
         refused = {i: m.problem for i, m in enumerate(statistics) if m.problem is not None}
         too_large, bounds = screen_norms(sizes, robust, self.recent)
-        judged = [
-            too_large,
-            statistics_outliers(statistics, robust.update_norm_factor),
-            cohort_outliers(
-                [u.statistics for u in updates], statistics, robust.bn_variance_factor, robust.bn_mean_sigmas
-            ),
-        ]
+        judged = [too_large, statistics_outliers(statistics, robust.update_norm_factor)]
+        if (
+            robust.bn_statistics == "mean"
+        ):  # a per-channel median needs no in-range screen: a lie moves it a rank
+            judged.append(
+                cohort_outliers(
+                    [u.statistics for u in updates],
+                    statistics,
+                    robust.bn_variance_factor,
+                    robust.bn_mean_sigmas,
+                )
+            )
         for found in judged:
             for index, reason in found.items():
                 refused.setdefault(index, reason)

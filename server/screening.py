@@ -28,7 +28,7 @@ from statistics import median
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from nestling.config import RunSection
+from nestling.config import STATISTICS_RULES, RunSection
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.layers import is_running_statistic
@@ -90,8 +90,11 @@ class RobustPolicy:
         3.0  # a claim counts at most this x the fleet's median (server/influence.py)
     )
     max_weight_share: float | None = 0.3  # no result weighs more of its round than this (None: no bound)
+    bn_statistics: str = (
+        "median"  # BN running statistics aggregated per channel by median, or "mean" (papers')
+    )
     bn_variance_factor: float = (
-        4.0  # running variances per channel vs the cohort (server/statistics_cohort.py)
+        4.0  # with "mean": running variances per channel vs the cohort (server/statistics_cohort.py)
     )
     bn_mean_sigmas: float = 3.0  # running means' shift from the cohort, in its standard deviations
     cohort_screen: bool = (
@@ -105,6 +108,10 @@ class RobustPolicy:
             (self.clip_update_norm is None or self.clip_update_norm > 0, "clip_update_norm must be > 0"),
             (self.aggregation in AGGREGATIONS, f"aggregation must be one of {', '.join(AGGREGATIONS)}"),
             (0.0 <= self.trim_fraction < 0.5, "trim_fraction must be in [0, 0.5)"),
+            (
+                self.bn_statistics in STATISTICS_RULES,
+                f"bn_statistics must be one of {', '.join(STATISTICS_RULES)}",
+            ),
             (self.divergence_factor > 1, "divergence_factor must be > 1"),
             (self.quarantine_rounds >= 0, "quarantine_rounds must be >= 0"),
             (self.strike_rounds >= 0, "strike_rounds must be >= 0 (0: off)"),
@@ -138,6 +145,7 @@ def robust_policy(run: RunSection) -> RobustPolicy:
         min_update_cosine=run.min_update_cosine,
         max_sample_factor=run.max_sample_factor or None,
         max_weight_share=run.max_weight_share or None,
+        bn_statistics=run.bn_statistics,
         bn_variance_factor=run.bn_variance_factor,
         bn_mean_sigmas=run.bn_mean_sigmas,
         cohort_screen=run.cohort_screen,

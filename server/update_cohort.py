@@ -236,7 +236,9 @@ def cut(values: list[float], spreads: float = SPREADS) -> float | None:
     centre = median(values)
     if centre < CONSENSUS:
         return None
-    spread = max(median(abs(c - centre) for c in values), MIN_SPREAD) * SMALL_COHORT_WIDENING.get(len(values), 1.0)
+    spread = max(median(abs(c - centre) for c in values), MIN_SPREAD) * SMALL_COHORT_WIDENING.get(
+        len(values), 1.0
+    )
     return min(FLOOR, centre - spreads * spread)
 
 

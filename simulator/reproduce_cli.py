@@ -37,6 +37,9 @@ else:  # pragma: no cover
 
 # Settings that do not change what a run computes: a run folder made with other values is still this run.
 NEUTRAL_SETTINGS = frozenset({("run", "workers"), ("data", "root")})
+# Settings added after runs were recorded whose default is not what those runs did: a config.toml without one
+# is read with this value. Before [run] bn_statistics, BN running statistics were always averaged.
+BEFORE_SETTINGS: dict[tuple[str, str], Any] = {("run", "bn_statistics"): "mean"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -86,9 +89,10 @@ def config_changes(run_dir: Path, cfg: SimConfig) -> list[str]:
     if not recorded.is_file():
         return []
     try:  # read back through the config class, so a setting added since then counts at its default
-        before = _flatten(
-            tomllib.loads(config_to_toml(config_from_dict(tomllib.loads(recorded.read_text()))))
-        )
+        table = tomllib.loads(recorded.read_text())
+        for (section, key), value in BEFORE_SETTINGS.items():
+            table.setdefault(section, {}).setdefault(key, value)
+        before = _flatten(tomllib.loads(config_to_toml(config_from_dict(table))))
     except (ConfigError, tomllib.TOMLDecodeError) as exc:
         return [f"its config.toml no longer reads ({exc})"]
     after = _flatten(tomllib.loads(config_to_toml(cfg)))

@@ -96,6 +96,10 @@ def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
         ({"run": {"train_share": 1.5}}, r"\[run\] train_share must be in \(0, 1\]"),
         ({"data": {"alpha": 0}}, r"\[data\] alpha"),
         ({"run": {"calibration_samples": -1}}, r"\[run\] calibration_samples must be >= 0"),
+        (
+            {"run": {"bn_statistics": "mode"}},
+            r"\[run\] bn_statistics must be one of median, mean, got 'mode'",
+        ),
     ],
 )
 def test_bad_sections_keys_types_and_ranges_name_what_is_wrong(data: dict, message: str) -> None:

@@ -68,3 +68,44 @@ def test_integer_buffers_keep_their_rule_and_bad_rules_are_named() -> None:
         assert int(masked_mean(old, group)["n"]) == 9
     with pytest.raises(ValueError, match="aggregation rule"), robust_rule("mode"):
         pass
+
+
+def statistics_group(values: list[list[float]], sizes: list[int], weights: list[float]) -> list[Contribution]:
+    """Boards' running variances of a 4-channel BN (prefixes of sizes[k] channels) beside a trained weight."""
+    return [
+        Contribution(
+            {"bn.running_var": torch.tensor(v[:n]), "bn.weight": torch.tensor(v[:n])},
+            {"bn.running_var": (slice(0, n),), "bn.weight": (slice(0, n),)},
+            weight,
+        )
+        for v, n, weight in zip(values, sizes, weights, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("sizes", [[4, 4, 4, 4], [4, 4, 2, 4]])
+def test_the_statistics_median_takes_bn_statistics_only_per_channel_over_their_holders(sizes) -> None:
+    """[run] bn_statistics = "median": running statistics by their per-channel median over the boards holding
+    each channel (unweighted: a claimed sample count buys nothing), trained tensors by the method's mean."""
+    values = [[1.0, 2.0, 3.0, 4.0], [1.2, 2.2, 3.2, 4.2], [3.9, 7.8, 11.7, 15.6], [0.9, 1.9, 2.9, 3.9]]
+    weights = [1.0, 1.0, 1e6, 1.0]  # the liar (x3.9 statistics) also claims the samples
+    old = {"bn.running_var": torch.zeros(4), "bn.weight": torch.zeros(4)}
+    group = statistics_group(values, sizes, weights)
+    with robust_rule("mean", statistics="median"):
+        new = masked_mean(old, group)
+    with robust_rule("median"):
+        everything = masked_mean(old, group)
+    assert torch.equal(
+        new["bn.running_var"], everything["bn.running_var"]
+    )  # the fast path is the general one
+    held = [[v[c] for v, n in zip(values, sizes, strict=True) if c < n] for c in range(4)]
+    expected = [
+        float(torch.tensor(h).sort().values[(len(h) - 1) // 2 : len(h) // 2 + 1].mean()) for h in held
+    ]
+    assert new["bn.running_var"].tolist() == pytest.approx(expected)
+    with robust_rule("mean"):
+        assert torch.equal(new["bn.weight"], masked_mean(old, group)["bn.weight"])  # trained: the mean
+    with robust_rule("mean", statistics="mean"):
+        averaged = masked_mean(old, group)["bn.running_var"]
+    assert float(averaged[0]) == pytest.approx(3.9, rel=1e-4)  # the papers' mean: the liar's value
+    with pytest.raises(ValueError, match="BN statistics rule"), robust_rule("mean", statistics="mode"):
+        pass

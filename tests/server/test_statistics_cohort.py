@@ -91,7 +91,9 @@ def test_the_one_layout_path_measures_as_the_key_by_key_path() -> None:
             b["bn.running_var"][:5] + 1,
         )
     boards[2]["bn.running_var"] = boards[2]["bn.running_var"] * 9
+    boards[2]["conv.running_var"] = boards[2]["conv.running_var"] * 9
     boards[5]["conv.running_mean"] = boards[5]["conv.running_mean"] + 8 * boards[5]["conv.running_var"].sqrt()
+    boards[5]["bn.running_mean"] = boards[5]["bn.running_mean"] + 8 * boards[5]["bn.running_var"].sqrt()
     uploads = [UploadedStatistics(tuple(b), tuple(b.values())) for b in boards]
     measured, judged = measure(uploads), list(range(8))
     fast, slow = _fast_shifts(measured, judged), _slow_shifts(_rows(uploads, measured, judged))
@@ -106,6 +108,19 @@ def test_the_one_layout_path_measures_as_the_key_by_key_path() -> None:
     # the poisoned entries are the ones out of bounds, and only they
     assert abs(together.variance[2, 0]) > np.log(4) and together.mean[5, 1] > 3
     assert list(cohort_outliers(uploads, measured)) == [2, 5]
+
+
+def test_a_result_is_judged_by_the_median_of_its_tensors_not_its_worst() -> None:
+    """The DynamicFL preset's first round: an honest board's deepest BN at 4.79x the round's, its others
+    1.05-3.36x. A result with most of its tensors out of bounds is refused, one with a few is not."""
+    keys = [f"blocks.{i}.bn" for i in range(7)]
+    boards = [{f"{k}.running_var": board(i)["bn.running_var"] for k in keys} for i in range(10)]
+    boards[4] = {**boards[4], f"{keys[-1]}.running_var": boards[4][f"{keys[-1]}.running_var"] * 4.8}
+    boards[4].update({f"{k}.running_var": boards[4][f"{k}.running_var"] * 2.5 for k in keys[-3:-1]})
+    assert judge(boards) == {}
+    boards[7] = {k: v * 9 if n < 4 else v for n, (k, v) in enumerate(boards[7].items())}  # four of seven
+    refused = judge(boards)
+    assert list(refused) == [7] and "running variances' median ratio" in refused[7], refused
 
 
 @pytest.mark.parametrize("judged", [list(range(8)), [0, 2, 3, 5, 7]])

@@ -93,8 +93,21 @@ def test_the_cut_needs_a_consensus_and_falls_below_a_spread_out_cohort() -> None
     assert cut([0.1, 0.2, 0.25, 0.15, 0.3]) is None  # no common direction: nothing refused
     iid = [0.62, 0.6, 0.65, 0.58, 0.66, 0.61, 0.63, 0.59, 0.64, 0.62]
     assert cut(iid) == pytest.approx(0.62 - 8 * 0.05)  # 8 deviations (at least 0.05 each) below the median
-    assert cut(iid[:9]) == pytest.approx(0.62 - 8 * 0.05 * SMALL_COHORT_WIDENING[9])  # nine: a wider deviation
-    early = [0.95, 0.94, 0.96, 0.93, 0.95, 0.97, 0.94, 0.96, 0.95, 0.95]  # first rounds: everyone points downhill
+    assert cut(iid[:9]) == pytest.approx(
+        0.62 - 8 * 0.05 * SMALL_COHORT_WIDENING[9]
+    )  # nine: a wider deviation
+    early = [
+        0.95,
+        0.94,
+        0.96,
+        0.93,
+        0.95,
+        0.97,
+        0.94,
+        0.96,
+        0.95,
+        0.95,
+    ]  # first rounds: everyone points downhill
     assert cut(early) == 0.5  # the floor decides: an update within 60 degrees of its cohort is never refused
     skewed = [0.6, 0.55, 0.45, 0.2, 0.1, 0.4, 0.5, 0.62, -0.3]  # honest non-IID: a wide spread
     bound = cut(skewed)

@@ -373,3 +373,21 @@ def test_m_fedepth_distils_on_some_board_in_the_fedepth_comparison() -> None:
         strategy.setup()
         models = {ratio: strategy.paper_plan_for(ratio)[1] for ratio in strategy.ratios}
         assert max(models.values()) == 2, models
+
+
+def test_a_folder_recorded_before_bn_statistics_existed_reads_as_the_mean_it_ran(tmp_path: Path) -> None:
+    """Runs recorded before [run] bn_statistics averaged BN statistics: a config.toml without the setting is the
+    papers' mean, which every preset keeps (their records stay theirs), and not the fleet's median."""
+    from nestling.config_io import config_to_toml
+    from nestling.simulator.reproduce_cli import config_changes
+
+    comparison = load_comparison("scalefl", "small")
+    cfg = comparison.config(comparison.entry("depthfl"), seed=1)
+    assert cfg.run.bn_statistics == "mean"
+    folder = tmp_path / "old"
+    folder.mkdir()
+    old = "\n".join(line for line in config_to_toml(cfg).splitlines() if not line.startswith("bn_statistics"))
+    (folder / "config.toml").write_text(old)
+    assert config_changes(folder, cfg) == []
+    median = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, bn_statistics="median"))
+    assert config_changes(folder, median) == ["run.bn_statistics: 'mean' -> 'median'"]

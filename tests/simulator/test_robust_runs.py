@@ -117,13 +117,63 @@ def test_a_board_inflating_bn_running_variances_is_refused(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("attack", ["bn_variance_x9", "bn_variance_zero", "bn_mean_8_sigma"])
-def test_in_range_bn_poisoning_is_refused_every_round(tmp_path: Path, attack: str) -> None:
+def test_with_the_papers_mean_in_range_bn_poisoning_is_refused_every_round(
+    tmp_path: Path, attack: str
+) -> None:
     """Issue 25: inside the x10 screen (variances x9, 0; means +8 sigma) with honest weights, against 3 honest
-    boards: refused every round by the cohort screen, named."""
-    run_simulation(tiny(rounds=2), tmp_path, tamper=ATTACKS[attack].tamper)
+    boards, BN statistics averaged as the papers do: refused every round by the cohort screen, named."""
+    run_simulation(tiny(rounds=2, bn_statistics="mean"), tmp_path, tamper=ATTACKS[attack].tamper)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["counters"].get("rejected_update_norm", 0) for r in records] == [1, 1]
     assert all(r["aggregated"] and r["accepted"] == 3 for r in records)
+
+
+def _statistics_moved(
+    attacked: dict[str, torch.Tensor], honest: dict[str, torch.Tensor]
+) -> tuple[float, float]:
+    """How far an attacked run's BN statistics ended from the honest run's: the largest, over tensors, median
+    over channels of the variance ratio (as a factor >= 1) and of the mean's shift in honest deviations."""
+    ratios, shifts = [1.0], [0.0]
+    for key, value in attacked.items():
+        if key.endswith("running_var"):
+            ratio = (value.clamp_min(1e-12) / honest[key].clamp_min(1e-12)).median()
+            ratios.append(float(torch.maximum(ratio, 1 / ratio)))
+        elif key.endswith("running_mean"):
+            scale = honest[key.replace("running_mean", "running_var")].clamp_min(1e-12).sqrt()
+            shifts.append(float(((value - honest[key]).abs() / scale).median()))
+    return max(ratios), max(shifts)
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "bn_variance_x9",
+        "bn_variance_zero",
+        "bn_mean_8_sigma",
+        "bn_variance_x3.9",
+        "bn_variance_x0.26",
+        "bn_mean_2.9_sigma",
+    ],
+)
+def test_the_per_channel_median_keeps_one_boards_bn_statistics_from_moving_the_model(
+    tmp_path: Path, attack: str
+) -> None:
+    """The default [run] bn_statistics = "median": one board of four sending BN statistics in range or far out
+    (honest weights) is taken, and the model's statistics end where three honest boards and one more put them.
+    Through the papers' mean, the in-range lies inside every bound (x3.9, x0.26, +2.9 sigma) move them."""
+    run_simulation(tiny(rounds=2), tmp_path / "honest")
+    run_simulation(tiny(rounds=2), tmp_path / "attacked", tamper=ATTACKS[attack].tamper)
+    records = [
+        json.loads(line) for line in (tmp_path / "attacked" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert all(r["aggregated"] and r["accepted"] == 4 for r in records)
+    honest = final_weights(tmp_path / "honest")
+    ratio, shift = _statistics_moved(final_weights(tmp_path / "attacked"), honest)
+    assert ratio < 1.3 and shift < 0.5, (ratio, shift)
+    if attack in ("bn_variance_x3.9", "bn_variance_x0.26", "bn_mean_2.9_sigma"):
+        run_simulation(tiny(rounds=2, bn_statistics="mean"), tmp_path / "mean", tamper=ATTACKS[attack].tamper)
+        ratio, shift = _statistics_moved(final_weights(tmp_path / "mean"), honest)
+        assert ratio > 1.3 or shift > 0.5, (ratio, shift)
 
 
 @pytest.mark.parametrize("attack", ["huge_values", "inflated_bn_variance", "sign_flipped"])
@@ -187,7 +237,10 @@ def _preset_partitions() -> list[tuple[str, dict]]:
     for path in sorted((Path(__file__).resolve().parents[2] / "examples" / "reproduce").glob("*.toml")):
         small = tomllib.loads(path.read_text())["scales"]["small"]
         data = {k: v for k, v in small["data"].items() if k in ("partition", "alpha", "clients")}
-        found.append((path.stem, {**data, "fraction": small["train"]["fraction"]}))
+        statistics = small["run"].get("bn_statistics", "median")
+        found.append(
+            (path.stem, {**data, "fraction": small["train"]["fraction"], "bn_statistics": statistics})
+        )
     return found
 
 
@@ -196,12 +249,20 @@ def test_no_screen_or_bound_acts_on_honest_fedavg_boards_of_any_presets_partitio
     tmp_path: Path, preset: str, partition: dict
 ) -> None:
     """Issue 29: the direction screen refused an honest FedAvg board of a Dirichlet(0.5) reproduction. With the
-    defaults (direction screen off, norm and BN screens, weight bounds) nothing acts on honest boards of any
-    preset's partition (its scheme, alpha, clients and share a round, on digits with tinycnn)."""
-    fraction = partition.pop("fraction")
+    defaults (direction screen off, norm and BN screens, weight bounds) and the preset's BN statistics rule,
+    nothing acts on honest boards of any preset's partition (its scheme, alpha, clients and share a round, on
+    digits with tinycnn)."""
+    fraction, statistics = partition.pop("fraction"), partition.pop("bn_statistics")
     cfg = config_from_dict(
         {
-            "run": {"rounds": 3, "seed": 0, "workers": 1, "eval_every": 0, "checkpoint_every": 0},
+            "run": {
+                "rounds": 3,
+                "seed": 0,
+                "workers": 1,
+                "eval_every": 0,
+                "checkpoint_every": 0,
+                "bn_statistics": statistics,  # the presets average them as the papers do: screened
+            },
             "data": {"dataset": "digits", **partition},
             "model": {"arch": "tinycnn"},
             "method": {"name": "fedavg"},
