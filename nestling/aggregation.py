@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nestling.config import STATISTICS_RULES
 from nestling.models.layers import is_running_statistic
 from nestling.slicing import Region
 
 ROBUST_RULES = ("mean", "trimmed_mean", "median")
-STATISTICS_RULES = ("median", "mean")  # [run] bn_statistics: the first is the default
 _RULE: ContextVar[tuple[str, float, str]] = ContextVar(
     "nestling_aggregation_rule", default=("mean", 0.0, "mean")
 )

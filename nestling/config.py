@@ -151,7 +151,7 @@ class RunSection:
 BACKENDS = ("auto", "inprocess", "pool", "ray")
 BATCHING = ("off", "on", "auto")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")  # [run] aggregation (nestling.aggregation.robust_rule)
-STATISTICS_RULES = ("median", "mean")  # [run] bn_statistics (nestling.aggregation.STATISTICS_RULES)
+STATISTICS_RULES = ("median", "mean")  # [run] bn_statistics (nestling.aggregation); the first is the default
 PRECISIONS = ("fp32", "bf16")  # [train] precision: edge/execution.py applies it
 SERVER_TIMES = ("none", "fixed", "measured")  # [run] server_time: simulator/server_time.py
 FIXED_SERVER_TIMES = ("server_round_s", "server_eval_s", "server_checkpoint_s")

@@ -142,9 +142,8 @@ class RoundScreen:
         refused = {i: m.problem for i, m in enumerate(statistics) if m.problem is not None}
         too_large, bounds = screen_norms(sizes, robust, self.recent)
         judged = [too_large, statistics_outliers(statistics, robust.update_norm_factor)]
-        if (
-            robust.bn_statistics == "mean"
-        ):  # a per-channel median needs no in-range screen: a lie moves it a rank
+        # A per-channel median of BN statistics needs no in-range screen: one board's lie moves it a rank at most.
+        if robust.bn_statistics == "mean":
             judged.append(
                 cohort_outliers(
                     [u.statistics for u in updates],
