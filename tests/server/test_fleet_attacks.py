@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from nestling.messages import Result
+from nestling.messages import Result, Task
 from nestling.server.broker import EmbeddedBroker
 from nestling.server.screening import RobustPolicy, largest_magnitude
 from nestling.wire.client import connect_and_wait, make_client
@@ -49,6 +49,44 @@ def test_one_attacker_is_refused_and_the_model_stays_near_the_honest_run(broker,
     assert sum(r.counters.get("rejected_update_norm", 0) for r in attacked.records) == 3
     assert math.isfinite(largest_magnitude(attacked.state))
     assert largest_difference(attacked.state, honest_run.state) < 0.1  # honest updates are ~0.01 per element
+
+
+def statistics_lie(task: Task, board: int) -> Result:
+    """Honest weights; every BN running variance x3.9 and every running mean +2.9 of its standard deviations:
+    inside every bound an honest round needs (x4, 3 sigma), and through a mean, enough to take a model to chance."""
+    result = honest(task, board)
+    weights = dict(result.weights)
+    for key, value in result.weights.items():
+        if key.endswith("running_var"):
+            mean = key.removesuffix("running_var") + "running_mean"
+            weights[mean] = result.weights[mean] + 2.9 * value.clamp_min(0).sqrt()
+            weights[key] = value * 3.9
+    result.weights = weights
+    return result
+
+
+def _statistics_moved(state: dict[str, torch.Tensor], honest_state: dict[str, torch.Tensor]) -> float:
+    return max(float((state[k] - honest_state[k]).abs().max()) for k in state if "running_" in k)
+
+
+def test_in_range_bn_statistics_lies_do_not_move_the_fleets_model(broker, honest_run):
+    """Through the real server: one board of three sends BN statistics inside every bound. With the default
+    per-channel median ([run] bn_statistics) they are taken and move the model's statistics no further than
+    honest noise does; through the papers' mean they move them by most of the lie."""
+    attacked = run_fleet(broker, "bn-lie", rounds=3, behaviours={2: statistics_lie})
+    assert all(r.aggregated and r.accepted == 3 for r in attacked.records)
+    assert _statistics_moved(attacked.state, honest_run.state) < 0.1  # honest updates are ~0.01 per element
+    averaged = run_fleet(
+        broker,
+        "bn-lie-mean",
+        rounds=3,
+        behaviours={2: statistics_lie},
+        robust=RobustPolicy(bn_statistics="mean"),
+    )
+    assert all(
+        r.aggregated and r.accepted == 3 for r in averaged.records
+    )  # inside the cohort screen's bounds
+    assert _statistics_moved(averaged.state, honest_run.state) > 0.5
 
 
 def test_num_samples_above_the_hello_is_refused(broker):
