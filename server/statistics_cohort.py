@@ -7,11 +7,16 @@ they share: every channel moves the same way, relative to what the other boards 
 
 So each running variance is compared channel by channel with the round's per-channel median (over the results
 that changed the tensor; nested submodels hold channel prefixes), and the *median over channels* of the log
-ratio is judged: beyond ±log(variance_factor) the result is refused (both ways: x9 and 0 alike). Each running
-mean is compared with the per-channel median mean in units of that channel's median standard deviation, and
-the median over channels of |shift| beyond `mean_sigmas` refuses it. Medians over channels keep honest
-non-IID boards in: one board's few classes move some channels a lot, not all of them one way. Needs at least
-three results per tensor (with two, neither can be told from the attacker).
+ratio is taken per tensor; a result is refused when the *median over its tensors* of those is beyond
+±log(variance_factor) (both ways: x9 and 0 alike). Each running mean is compared with the per-channel median
+mean in units of that channel's median standard deviation, and the same two medians beyond `mean_sigmas`
+refuse it. Medians keep honest non-IID boards in: one board's few classes move some channels a lot, not all of
+them one way, and some tensors (an honest DynamicFL board's deepest BN at 4.79x in its first round), not all.
+Needs at least three results per tensor (with two, neither can be told from the attacker).
+
+Bounds cannot stop statistics inside them (every variance x3.9 took FedAvg to chance), so this screen serves
+`[run] bn_statistics = "mean"`, the papers' averaging; the default per-channel median (nestling/aggregation.py)
+needs none, and the coordinator does not run it then (server/round_screen.py).
 
 Which methods need it: all that aggregate uploaded running statistics. HeteroFL's static BN (sBN) does not
 track them: its evaluation recomputes them on the server from calibration data (nestling/calibration.py), so
