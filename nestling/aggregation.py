@@ -92,8 +92,6 @@ def _aggregate_key(old: torch.Tensor, key: str, group: list[Contribution]) -> to
         return result
     rule, trim, statistics = _RULE.get()
     if rule == "mean" and statistics == "median" and is_running_statistic(key):
-        if all(c.tensors[key].shape == old.shape and key not in c.row_masks for c in group):
-            return _full_median(old, [c.tensors[key] for c in group])
         rule = "median"
     if rule != "mean":
         return _coordinatewise(old, key, group, rule, trim)
@@ -121,13 +119,18 @@ def _aggregate_key(old: torch.Tensor, key: str, group: list[Contribution]) -> to
     return result.to(old.dtype)
 
 
-def _full_median(old: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The element-wise median of tensors that each hold all of `old` (the usual BN statistics of a round): one
-    stack and one sort, about what the weighted mean of the same tensors costs (`_coordinatewise`'s general
-    path took ~250 us a key)."""
+def _median_of_whole(old: torch.Tensor, key: str, group: list[Contribution]) -> torch.Tensor | None:
+    """The element-wise median when every contribution holds all of `old`, unmasked and finite (a round's usual
+    BN statistics): one stack and one sort, about what their weighted mean costs, where the general path's NaN
+    padding took ~250 us a key. None otherwise."""
+    if not all(c.tensors[key].shape == old.shape and key not in c.row_masks for c in group):
+        return None
     dtype = torch.float64 if old.dtype == torch.float64 else torch.float32
-    ordered = torch.stack([t.to(dtype) for t in tensors]).sort(dim=0).values
-    n = len(tensors)
+    stack = torch.stack([c.tensors[key].to(dtype) for c in group])
+    if bool(torch.isnan(stack).any()):  # NaN means 'not held' to the general path
+        return None
+    ordered = stack.sort(dim=0).values
+    n = len(group)
     return ordered[(n - 1) // 2].add(ordered[n // 2]).mul_(0.5).to(old.dtype)
 
 
@@ -135,6 +138,10 @@ def _coordinatewise(
     old: torch.Tensor, key: str, group: list[Contribution], rule: str, trim: float
 ) -> torch.Tensor:
     """Trimmed mean or median per element over the contributions holding it (NaN marks 'not held')."""
+    if rule == "median":
+        whole = _median_of_whole(old, key, group)
+        if whole is not None:
+            return whole
     dtype = torch.float64 if old.dtype == torch.float64 else torch.float32
     stack = torch.full((len(group), *old.shape), float("nan"), dtype=dtype)
     for i, c in enumerate(group):

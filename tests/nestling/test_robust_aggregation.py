@@ -109,3 +109,14 @@ def test_the_statistics_median_takes_bn_statistics_only_per_channel_over_their_h
     assert float(averaged[0]) == pytest.approx(3.9, rel=1e-4)  # the papers' mean: the liar's value
     with pytest.raises(ValueError, match="BN statistics rule"), robust_rule("mean", statistics="mode"):
         pass
+
+
+def test_a_non_finite_value_in_whole_tensors_is_not_held_as_in_the_general_median() -> None:
+    """The one-sort median of whole tensors steps aside for a NaN, which the general path reads as 'not held'."""
+    old = {"bn.running_var": torch.zeros(2)}
+    values = [[1.0, 1.0], [2.0, float("nan")], [3.0, 5.0]]
+    group = [
+        Contribution({"bn.running_var": torch.tensor(v)}, {"bn.running_var": (slice(0, 2),)}) for v in values
+    ]
+    with robust_rule("mean", statistics="median"):
+        assert masked_mean(old, group)["bn.running_var"].tolist() == [2.0, 3.0]
