@@ -4,7 +4,7 @@ from nestling.models.config import ModelConfig
 from nestling.models.family import ModelFamily, family_of, register_family, registered_families
 from nestling.models.layers import kept_channels, set_active_width
 from nestling.models.net import BlockInfo, ScalableNet
-from nestling.models.zoo import block_infos, build, known_models
+from nestling.models.zoo import block_infos, build, class_logit_keys, known_models
 
 __all__ = [
     "BlockInfo",
@@ -13,6 +13,7 @@ __all__ = [
     "ScalableNet",
     "block_infos",
     "build",
+    "class_logit_keys",
     "family_of",
     "kept_channels",
     "known_models",

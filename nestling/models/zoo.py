@@ -16,6 +16,7 @@ from torch import nn
 
 from nestling.models.family import family_of, kept_blocks, registered_families
 from nestling.models.heads import exit_head
+from nestling.models.layers import SlimLinear
 from nestling.models.net import BlockInfo, ScalableNet
 
 if TYPE_CHECKING:  # nestling.spec imports nestling.models: a runtime import here would be circular
@@ -70,3 +71,15 @@ def build(spec: SubmodelSpec, *, device: torch.device | str | None = None, init:
     if init:
         _init_weights(net)
     return net.to(device) if device is not None else net
+
+
+def class_logit_keys(spec: SubmodelSpec) -> set[str]:
+    """State-dict keys of every layer that emits class logits (the head's and any exit's), found by what the
+    layer is (a linear whose outputs are never sliced) rather than by its name, so every family is covered."""
+    net = build(spec, device="meta")
+    return {
+        f"{name}.{tensor}"
+        for name, module in net.named_modules()
+        if isinstance(module, SlimLinear) and not module.slim_out
+        for tensor, _ in module.named_parameters(recurse=False)
+    }

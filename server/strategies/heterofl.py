@@ -10,6 +10,7 @@ import torch
 from nestling.errors import ConfigError
 from nestling.messages import Result, Task
 from nestling.models.config import ModelConfig
+from nestling.models.zoo import class_logit_keys
 from nestling.server.strategies.base import DeviceInfo, EvalTarget
 from nestling.server.strategies.options import MethodOptions
 from nestling.server.strategies.planning import FamilyPlanning
@@ -78,6 +79,7 @@ class HeteroFL(FamilyPlanning, SubmodelStrategy):
             raise ConfigError(f"[method] HeteroFL mode must be 'fix' or 'dynamic', got '{self.options.mode}'")
         rates = sorted({rate for rate, _ in self.mix})
         self.specs = {rate: SubmodelSpec(self.model, width=rate) for rate in rates}
+        self.class_rows = class_logit_keys(self.full_spec)  # the tensors masked CE masks by class
 
     def rate_of(self, round_index: int, device: DeviceInfo) -> float:
         rates = sorted(self.specs)
@@ -117,7 +119,7 @@ class HeteroFL(FamilyPlanning, SubmodelStrategy):
             rows = torch.zeros(self.model.num_classes, dtype=torch.bool)
             rows[list(labels)] = True
             for key in contribution.tensors:
-                if key.startswith("head.fc."):
+                if key in self.class_rows:
                     contribution.row_masks[key] = rows
         return out
 

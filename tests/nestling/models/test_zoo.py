@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nestling.errors import ConfigError, SpecError
-from nestling.models import ModelConfig, block_infos, build, known_models
+from nestling.models import ModelConfig, block_infos, build, class_logit_keys, known_models
 from nestling.models.cost import count_parameters
 from nestling.slicing import shapes_for
 from nestling.spec import SubmodelSpec
@@ -173,3 +173,24 @@ def test_known_models_lists_the_zoo() -> None:
 def test_meta_builds_allocate_nothing() -> None:
     net = build(SubmodelSpec.full(ModelConfig("resnet34")), device="meta")
     assert all(p.is_meta for p in net.parameters())
+
+
+@pytest.mark.parametrize("arch", known_models())
+def test_class_logit_keys_are_every_classifier_of_every_family_with_its_exits(arch: str) -> None:
+    """Masked CE (HeteroFL) masks these by class row: they must be the head's and every exit's logit layer in
+    each family, found without relying on a name. Seven classes: no other tensor of these nets has 7 rows."""
+    exits = (1,) if arch != "vit" else ()
+    model = ModelConfig(arch, num_classes=7, exit_points=exits)
+    spec = SubmodelSpec(model, exits=exits)
+    net = build(spec)
+    linear = {
+        f"{name}.{tensor}"
+        for name, module in net.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        for tensor, _ in module.named_parameters(recurse=False)
+    }
+    seven_rows = {key for key, value in net.state_dict().items() if value.dim() and value.shape[0] == 7}
+    keys = class_logit_keys(spec)
+    assert keys == seven_rows & linear
+    assert {"head.fc.weight", "head.fc.bias"} <= keys
+    assert len(keys) == 2 * (1 + len(exits))
