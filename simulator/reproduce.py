@@ -248,10 +248,16 @@ class RunResult:
     # Results the server's screens refused, by counter. A reproduction has no attacker, so every one is an
     # honest board refused: the table shows them (issue 29: non-IID presets must never refuse honest boards).
     refused: dict[str, int] = field(default_factory=dict)
+    trained: str = (
+        ""  # what the boards trained beyond the task's model, in the method's words (describe_trained)
+    )
 
 
-def read_run(label: str, seed: int, run_dir: Path, metrics: tuple[str, ...]) -> RunResult:
-    """Metrics of a finished run from its metrics.jsonl and summary.json."""
+def read_run(
+    label: str, seed: int, run_dir: Path, metrics: tuple[str, ...], method: str | None = None
+) -> RunResult:
+    """Metrics of a finished run from its metrics.jsonl and summary.json (with `method`, also what its boards
+    trained as that method describes it)."""
     records = [
         json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
     ]
@@ -279,7 +285,16 @@ def read_run(label: str, seed: int, run_dir: Path, metrics: tuple[str, ...]) -> 
         rounds=len(records),
         compute=read_compute(run_dir),
         refused=refused_counts(records),
+        trained=describe_trained(method, summary.get("method_report") or {}),
     )
+
+
+def describe_trained(method: str | None, method_report: dict[str, Any]) -> str:
+    """The method's own line on what its boards trained (empty for an unknown method or nothing to say)."""
+    from nestling.server.strategies import STRATEGIES  # the package registers every built-in method
+
+    strategy = STRATEGIES.get(method) if method else None
+    return strategy.describe_trained(method_report) if strategy is not None else ""
 
 
 def refused_counts(records: list[dict[str, Any]]) -> dict[str, int]:

@@ -185,7 +185,13 @@ def reproduce(
             cfg = config_of(entry, seed)
             if cfg is not None and run_state(out_dir / f"seed-{seed}" / entry.label, cfg) == "done":
                 runs.append(
-                    read_run(entry.label, seed, out_dir / f"seed-{seed}" / entry.label, comparison.metrics)
+                    read_run(
+                        entry.label,
+                        seed,
+                        out_dir / f"seed-{seed}" / entry.label,
+                        comparison.metrics,
+                        entry.method,
+                    )
                 )
     for run in runs:
         if run.refused:

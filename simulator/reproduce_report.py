@@ -87,6 +87,10 @@ def markdown(
         lines.append(
             "| " + " | ".join([entry.label, *cells, own_seeds, steps, macs, refused, f"{wall:.1f}"]) + " |"
         )
+    trained = [r for r in sorted(runs, key=lambda r: (r.label, r.seed)) if r.trained]
+    if trained:
+        lines += ["", "What the boards trained:"]
+        lines += [f"- {r.label}, seed {r.seed}: {r.trained}" for r in trained]
     lines += [
         "",
         "Compute: optimizer steps each board reported and 3 × forward MACs × samples of the task's model, per "
@@ -140,6 +144,7 @@ def as_json(
                         "rounds": r.rounds,
                         "compute": r.compute,
                         "refused": r.refused,
+                        "trained": r.trained,
                     }
                     for r in runs
                     if r.label == entry.label

@@ -176,6 +176,20 @@ class DynamicFL(SubmodelStrategy):
             entry["expanded_sites"] = dict(entry["expanded_sites"].most_common())
         return {"dynamicfl": {"protocol": self.options.protocol, "classes": classes}}
 
+    @classmethod
+    def describe_trained(cls, method_report: dict[str, Any]) -> str:
+        """Per capacity class, the mean number of convs its boards' final structure expands: what they trained
+        in the last round's epochs after the modulation (issue 29: report what was trained)."""
+        classes = (method_report.get("dynamicfl") or {}).get("classes") or {}
+        parts = []
+        for label, entry in sorted(classes.items()):
+            structures = [s or {} for s in (entry.get("structures") or {}).values()]
+            if structures:
+                mean = sum(len(s) for s in structures) / len(structures)
+                boards = f"{len(structures)} board" + ("s" if len(structures) != 1 else "")
+                parts.append(f"{label} {mean:.2f} ({boards})")
+        return ("convs expanded in the final round's trained structure: " + ", ".join(parts)) if parts else ""
+
     def state_meta(self) -> dict[str, Any]:
         return {"structures": self._structures, "classes": self._classes}
 

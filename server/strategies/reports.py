@@ -23,6 +23,12 @@ class MethodReports:
         """What this method adds to summary.json under `method_report` at the end of a run."""
         return {}
 
+    @classmethod
+    def describe_trained(cls, method_report: dict[str, Any]) -> str:
+        """One line on what the boards trained beyond the task's model, read back from a finished run's
+        `method_report` (a reproduction's table prints it: DynamicFL's expanded convs). Empty: nothing to add."""
+        return ""
+
     def write_plots(self, out_dir: Path, summary: dict[str, Any]) -> list[Path]:
         """Plots of this method's own beside accuracy.png (FedTrans: the family's growth); the files written."""
         return []

@@ -22,11 +22,12 @@ from nestling.simulator.reproduce import (
     known_comparisons,
     load_comparison,
     metric_reader,
+    read_run,
     refused_counts,
     summarise_runs,
 )
 from nestling.simulator.reproduce_cli import reproduce, run_state
-from nestling.simulator.reproduce_report import markdown, refused_cell
+from nestling.simulator.reproduce_report import as_json, markdown, refused_cell
 from nestling.simulator.run import run_simulation
 from tests.simulator.reproduce_helpers import preset_strategy
 
@@ -391,3 +392,30 @@ def test_a_folder_recorded_before_bn_statistics_existed_reads_as_the_mean_it_ran
     assert config_changes(folder, cfg) == []
     median = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, bn_statistics="median"))
     assert config_changes(folder, median) == ["run.bn_statistics: 'mean' -> 'median'"]
+
+
+def test_what_the_boards_trained_is_read_by_the_method_and_printed_under_the_table(tmp_path: Path) -> None:
+    """Issue 29: a DynamicFL record says what was trained; a method with nothing to add prints nothing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"round": 19, "submodels": [{"parameters": 10, "accuracy": 0.5}]}) + "\n"
+    )
+    structures = {"dev-0": {"stem.conv": ["kxk"]}, "dev-1": {"stem.conv": ["kxk"], "blocks.0.conv1": ["kxk"]}}
+    report = {"dynamicfl": {"protocol": "paper", "classes": {"c2": {"boards": 2, "structures": structures}}}}
+    (run / "summary.json").write_text(json.dumps({"wall_seconds": 60, "method_report": report}))
+    trained = read_run("dynamicfl", 0, run, ("full",), "dynamicfl")
+    assert trained.final == {"full": 50.0}
+    assert trained.trained == "convs expanded in the final round's trained structure: c2 1.50 (2 boards)"
+    assert read_run("fedavg", 0, run, ("full",), "fedavg").trained == ""
+    assert read_run("x", 0, run, ("full",)).trained == ""
+
+    comparison = load_comparison("dynamicfl", "small")
+    runs = _runs({"dynamicfl": {0: {"full": 50.0}}, "fedavg": {0: {"full": 49.0}}})
+    runs[0] = dataclasses.replace(runs[0], trained=trained.trained)
+    table, verdicts = summarise_runs(comparison, runs), judge(comparison, runs)
+    text = markdown(comparison, table, verdicts, runs, "cmd")
+    assert f"What the boards trained:\n- dynamicfl, seed 0: {trained.trained}" in text
+    document = as_json(comparison, table, verdicts, runs)
+    assert document["methods"]["dynamicfl"]["runs"][0]["trained"] == trained.trained
+    assert document["methods"]["fedavg"]["runs"][0]["trained"] == ""

@@ -203,3 +203,19 @@ def test_every_method_of_a_comparison_gives_tier_k_to_the_same_clients(
     for label in same:  # the methods with as many tiers: tier k on the same clients
         assert ranks[label] == ranks[same[0]], (label, same[0])
     # DepthFL has one depth per stage (3 on ResNet-20 against 4 levels): its thirds still rise with the index
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_dynamicfl_judges_the_gain_by_capacity_on_single_class_runs(scale: str) -> None:
+    """METHODS §5.c: "DynamicFL >= FedAvg and the gain grows with capacity". The gain of capacity c is a run with
+    every board at c against FedAvg on the same seed (capacity 0 is FedAvg), so the preset runs c = 1 and c = 2
+    and claims c1 > FedAvg and c2 > c1; the mixed run keeps the released code's thirds."""
+    comparison = load_comparison("dynamicfl", scale)
+    capacities = {
+        label: comparison.config(comparison.entry(label), 0).method.options["capacities"]
+        for label in ("dynamicfl", "dynamicfl-c1", "dynamicfl-c2")
+    }
+    assert [list(c) for c in capacities.values()] == [[0, 1, 2], [1], [2]]
+    assert {"dynamicfl-c1 > fedavg on full", "dynamicfl-c2 > dynamicfl-c1 on full"} <= {
+        str(c) for c in comparison.claims
+    }

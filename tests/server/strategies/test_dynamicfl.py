@@ -207,3 +207,32 @@ def test_on_the_embedded_broker_a_board_with_spare_memory_expands_and_its_plain_
     )
     assert poor == "c0" and classes[poor]["structures"]["dev-0"] == {}
     assert int(rich[1:]) >= 1 and classes[rich]["structures"]["dev-1"]  # expanded convs, uploaded plain
+
+
+def test_what_each_class_trained_is_described_from_the_run_summary() -> None:
+    """A reproduction's table says what was trained (issue 29): the mean expanded convs of each class's final
+    structures, read back from summary.json's method_report; a board with no well-formed structure counts 0."""
+    strategy = create_strategy("dynamicfl", _strategy_ctx())
+    for device, capacity, structure in [
+        ("a", 1, {"stem.conv": ["kxk", "conv1x1"]}),
+        ("b", 1, None),
+        ("c", 2, {"stem.conv": ["kxk"], "blocks.0.conv1": ["kxk", "identity"]}),
+    ]:
+        task = Task(
+            round=0,
+            device_id=device,
+            spec={},
+            weights={},
+            procedure="dynamicfl",
+            hparams={"capacity": capacity},
+        )
+        metrics = {} if structure is None else {"dynamicfl_structure": json.dumps(structure)}
+        result = Result(
+            round=0, device_id=device, task_id="t", spec_id="s", weights={}, num_samples=1, metrics=metrics
+        )
+        strategy.round_report(0, [(task, result)])
+    summary = json.loads(json.dumps(strategy.run_summary()))  # as summary.json holds it
+    assert strategy.describe_trained(summary) == (
+        "convs expanded in the final round's trained structure: c1 0.50 (2 boards), c2 2.00 (1 board)"
+    )
+    assert type(strategy).describe_trained({}) == ""
