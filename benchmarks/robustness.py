@@ -92,7 +92,8 @@ def _is_mean(key: str) -> bool:
 
 
 def variances_times(factor: float) -> Tamper:
-    """Every BN running variance x factor (finite: x10^4 is issue 16's, x9 stays under its x10 screen)."""
+    """Every BN running variance x factor (finite: x10^4 is issue 16's; x9 stays under the norm screen, which
+    allows x10 in standard deviations, x100 as a variance)."""
 
     def attack(task: Task, result: Result) -> Result:
         return _statistics(result, lambda k, v, _: v * factor if _is_variance(k) else v)

@@ -4,8 +4,9 @@ Running means and variances are measured from data, not trained: a submodel no b
 leave their initial values (0 and 1) on its first update, a change 10-100x the round's trained updates, so they
 stay out of an update's norm and direction (server/flat_updates.py). What a bad board can do with them is send
 values that wreck every model evaluated with them (a running variance x 10^4 scales that layer's output down
-100x). So each statistics tensor's rms value is compared with the same tensor of the round's other results, and
-a negative variance or a value whose square overflows float32 is refused on its own.
+100x). So each statistics tensor's rms value is compared with the same tensor of the round's other results, in
+the layer's units (a variance by its square root, a mean against the layer's standard deviation), and a negative
+variance or a value whose square overflows float32 is refused on its own.
 
 Measuring is per round, not per result: the round's statistics of one layout are concatenated in one call and
 their per-tensor sums of squares read off one float64 cumulative sum, a handful of C calls for the whole round
@@ -231,9 +232,13 @@ def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> di
     problem of their own are left out of the comparison).
 
     Compared tensor by tensor (the same key across results; nested submodels hold prefixes of it, whose rms
-    differs from the whole tensor's by about the square root of the width ratio at most): a tensor's rms over
-    factor x the upper quartile of the others' rms for that key refuses the result (the update screen's rule,
-    server/screening.py). Only tensors a board changed take part: FjORD's boards send the statistics of widths
+    differs from the whole tensor's by about the square root of the width ratio at most), in the layer's units:
+    a tensor over factor x the upper quartile of the others' for that key refuses the result (the update
+    screen's rule, server/screening.py). A running variance is compared by the square root of its rms, a
+    standard deviation: an honest non-IID board's activations can run a few times wider than the others' (a
+    DynamicFL board of the CIFAR-10 Dirichlet(0.5) preset sent a variance 12x the others' in round 1, 3.5x in
+    standard deviations), and compared as a variance the factor of 10 allowed only 3.2x. What the rule is for,
+    values that wreck a model outright (x 10^4), is still 100x over. Only tensors a board changed take part: FjORD's boards send the statistics of widths
     they did not train as their task had them (0 and 1 until some board trains that width), which would set the
     reference at 0. A running mean is measured in its layer's units: its reference is at least the square root
     of the round's median rms of the matching running variance (honest means sit within a few standard
@@ -249,6 +254,9 @@ def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> di
     for key, values in by_key.items():
         if len(values) < 2:
             continue
+        variance = is_running_variance(key)
+        if variance:  # in standard deviations
+            values = [(index, math.sqrt(value)) for index, value in values]
         ordered = sorted(v for _, v in values)
         if (
             ordered[-1] <= factor * ordered[0]
@@ -263,11 +271,20 @@ def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> di
             typical = max(quantile_without(ordered, bisect_left(ordered, mine), REFERENCE_QUANTILE), floor)
             ratio = mine / max(typical, 1e-12)
             if ratio > factor and ratio > worst.get(index, (0.0, ""))[0]:
-                worst[index] = (
-                    ratio,
-                    f"BN running statistic {key} rms {mine:.3g} over {factor:g}x the round's reference {typical:.3g}",
-                )
+                worst[index] = (ratio, _outlier_reason(key, mine, typical, ratio, factor, variance))
     return {index: reason for index, (_, reason) in sorted(worst.items())}
+
+
+def _outlier_reason(
+    key: str, mine: float, typical: float, ratio: float, factor: float, variance: bool
+) -> str:
+    """Why a statistic was refused, in the units it was judged in (a variance's rms is its square)."""
+    if variance:
+        return (
+            f"BN running statistic {key} rms {mine**2:.3g} against the round's reference {typical**2:.3g}: "
+            f"{ratio:.3g}x in standard deviations, over {factor:g}x"
+        )
+    return f"BN running statistic {key} rms {mine:.3g} over {factor:g}x the round's reference {typical:.3g}"
 
 
 def rows_together(measured: Sequence[MeasuredStatistics], judged: list[int]) -> list[int] | None:
@@ -291,7 +308,16 @@ def _all_within(measured: list[MeasuredStatistics], judged: list[int], factor: f
     if rows is None or block is None:
         return False
     rms = block if rows == list(range(len(block))) else block[rows]
-    return bool((rms.max(axis=0) <= factor * rms.min(axis=0)).all())
+    return bool(
+        (rms.max(axis=0) <= _column_factors(measured[judged[0]].keys, factor) * rms.min(axis=0)).all()
+    )
+
+
+@lru_cache(maxsize=64)
+def _column_factors(keys: tuple[str, ...], factor: float) -> np.ndarray:
+    """Per statistics tensor, the bound on the ratio of two rms values: factor, squared for a variance (whose
+    rms is a standard deviation's square)."""
+    return np.array([factor**2 if is_running_variance(key) else factor for key in keys])
 
 
 def _by_key(

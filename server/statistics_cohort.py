@@ -1,9 +1,10 @@
 """BN running statistics judged against the cohort, channel by channel: in-range poisoning.
 
-The screen in server/running_statistics.py refuses statistics far *larger* than the round's (x10 in rms). A
-board can stay under it and still wreck the model: running variances x9, variances of 0 or 1e-30, or running
-means shifted by 8 standard deviations, all with honest weights, took a FedAvg model to chance (issue 25). What
-they share: every channel moves the same way, relative to what the other boards measured for that channel.
+The screen in server/running_statistics.py refuses statistics far *larger* than the round's (x10 in standard
+deviations). A board can stay under it and still wreck the model: running variances x9, variances of 0 or
+1e-30, or running means shifted by 8 standard deviations, all with honest weights, took a FedAvg model to
+chance (issue 25). What they share: every channel moves the same way, relative to what the other boards
+measured for that channel.
 
 So each running variance is compared channel by channel with the round's per-channel median (over the results
 that changed the tensor; nested submodels hold channel prefixes), and the *median over channels* of the log

@@ -78,9 +78,38 @@ def test_inflated_running_statistics_are_refused_tensor_by_tensor() -> None:
     attacker = _measured({"bn1.running_var": 1.0, "bn2.running_var": 1900.0})
     refused = statistics_outliers([*honest, attacker], 10.0)
     assert list(refused) == [3]
-    assert (
-        "bn2.running_var rms 1.9e+03 over 10x the round's reference 2.2" in refused[3]
-    )  # others' upper quartile
+    assert (  # others' upper quartile, judged in standard deviations: sqrt(1900 / 2.2) = 29.4
+        "bn2.running_var rms 1.9e+03 against the round's reference 2.2: 29.4x in standard deviations, over 10x"
+        in refused[3]
+    )
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_a_running_variance_is_judged_in_standard_deviations(together: bool) -> None:
+    """The dynamicfl preset's seed 1 refused an honest board in round 1: its blocks.1.bn1 running variance had
+    rms 48.2 against the others' 4.03 (12x, 3.5x in standard deviations), over the factor of 10 when compared
+    as a variance. In standard deviations it is kept; 100x the others' variance and more is still refused.
+    Both paths: measured together (the honest round's one-matrix shortcut) and key by key."""
+
+    def board(scale: float, seed: int) -> UploadedStatistics:
+        generator = torch.Generator().manual_seed(seed)
+        var = 4.0 * (0.8 + 0.4 * torch.rand(16, generator=generator)) * scale
+        mean = 0.3 * torch.randn(16, generator=generator) * math.sqrt(scale)
+        keys = ("blocks.1.bn1.running_mean", "blocks.1.bn1.running_var")
+        return UploadedStatistics(keys, (mean, var))
+
+    def judged(boards: list[UploadedStatistics]) -> dict[int, str]:
+        measured = measure(boards)
+        if not together:  # the key-by-key path: results measured apart
+            measured = [MeasuredStatistics(m.keys, m.rms, m.problem, m.changed) for m in measured]
+        return statistics_outliers(measured, 10.0)
+
+    honest = [board(1.0, seed) for seed in range(9)]
+    assert judged([*honest, board(12.0, 9)]) == {}
+    assert judged([*honest, board(90.0, 9)]) == {}  # 9.5x in standard deviations
+    refused = judged([*honest, board(110.0, 9)])
+    assert list(refused) == [9] and "running_var" in refused[9] and "in standard deviations" in refused[9]
+    assert list(judged([*honest, board(1e4, 9)])) == [9]
 
 
 def _bn_net() -> torch.nn.Module:
