@@ -238,12 +238,13 @@ def statistics_outliers(measured: list[MeasuredStatistics], factor: float) -> di
     standard deviation: an honest non-IID board's activations can run a few times wider than the others' (a
     DynamicFL board of the CIFAR-10 Dirichlet(0.5) preset sent a variance 12x the others' in round 1, 3.5x in
     standard deviations), and compared as a variance the factor of 10 allowed only 3.2x. What the rule is for,
-    values that wreck a model outright (x 10^4), is still 100x over. Only tensors a board changed take part: FjORD's boards send the statistics of widths
-    they did not train as their task had them (0 and 1 until some board trains that width), which would set the
-    reference at 0. A running mean is measured in its layer's units: its reference is at least the square root
-    of the round's median rms of the matching running variance (honest means sit within a few standard
-    deviations of 0, and near 0 their ratios mean nothing: FjORD's honest means differed 10x). A key only one
-    result changed is not judged (nothing to compare with); the divergence guard still stands behind it."""
+    values that wreck a model outright (x 10^4), is still 100x over. Only tensors a board changed take part:
+    FjORD's boards send the statistics of widths they did not train as their task had them (0 and 1 until some
+    board trains that width), which would set the reference at 0. A running mean's reference is at least the
+    square root of the round's median rms of the matching running variance (honest means sit within a few
+    standard deviations of 0, and near 0 their ratios mean nothing: FjORD's honest means differed 10x). A key
+    only one result changed is not judged (nothing to compare with); the divergence guard still stands behind
+    it."""
     judged = [index for index, stats in enumerate(measured) if stats.problem is None]
     if not judged:
         return {}
