@@ -41,7 +41,10 @@ def compute_cells(runs: list[RunResult]) -> tuple[str, str]:
 
 
 def refused_cell(runs: list[RunResult]) -> str:
-    """'0', or the refusals over a method's runs by counter: '3 (rejected_update_cohort 3)'."""
+    """'0', or the refusals over a method's runs by counter: '3 (rejected_update_cohort 3)'; '–' without runs
+    (no run is not a run that refused nothing)."""
+    if not runs:
+        return "–"
     total: dict[str, int] = {}
     for run in runs:
         for key, value in run.refused.items():
@@ -84,8 +87,9 @@ def markdown(
         steps, macs = compute_cells(mine)
         own_seeds = ",".join(str(r.seed) for r in sorted(mine, key=lambda r: r.seed)) or "–"
         refused = refused_cell(mine)
+        minutes = f"{wall:.1f}" if mine else "–"
         lines.append(
-            "| " + " | ".join([entry.label, *cells, own_seeds, steps, macs, refused, f"{wall:.1f}"]) + " |"
+            "| " + " | ".join([entry.label, *cells, own_seeds, steps, macs, refused, minutes]) + " |"
         )
     trained = [r for r in sorted(runs, key=lambda r: (r.label, r.seed)) if r.trained]
     if trained:

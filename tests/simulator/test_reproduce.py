@@ -187,7 +187,7 @@ def test_refused_results_are_summed_by_reason_and_shown_in_the_table() -> None:
     ]
     assert refused_counts(records) == {"rejected_update_cohort": 3, "rejected_update_norm": 1}
     runs = _runs({"fedavg": {0: {"worst": 50.0}, 1: {"worst": 51.0}}})
-    assert refused_cell(runs) == "0"
+    assert refused_cell(runs) == "0" and refused_cell([]) == "–"
     runs[1] = dataclasses.replace(runs[1], refused=refused_counts(records))
     assert refused_cell(runs) == "4 (rejected_update_cohort 3, rejected_update_norm 1)"
 
@@ -416,6 +416,7 @@ def test_what_the_boards_trained_is_read_by_the_method_and_printed_under_the_tab
     table, verdicts = summarise_runs(comparison, runs), judge(comparison, runs)
     text = markdown(comparison, table, verdicts, runs, "cmd")
     assert f"What the boards trained:\n- dynamicfl, seed 0: {trained.trained}" in text
+    assert "| dynamicfl-c1 | – | – | – | – | – | – | – |" in text  # no run: nothing claimed, not "0 refused"
     document = as_json(comparison, table, verdicts, runs)
     assert document["methods"]["dynamicfl"]["runs"][0]["trained"] == trained.trained
     assert document["methods"]["fedavg"]["runs"][0]["trained"] == ""
