@@ -248,9 +248,8 @@ class RunResult:
     # Results the server's screens refused, by counter. A reproduction has no attacker, so every one is an
     # honest board refused: the table shows them (issue 29: non-IID presets must never refuse honest boards).
     refused: dict[str, int] = field(default_factory=dict)
-    trained: str = (
-        ""  # what the boards trained beyond the task's model, in the method's words (describe_trained)
-    )
+    # What the boards trained beyond the task's model, in the method's words (Strategy.describe_trained).
+    trained: str = ""
 
 
 def read_run(
