@@ -129,13 +129,14 @@ def class_label_mix(data: Any, clients: int) -> list[np.ndarray]:
 def trained_structures(summary: dict[str, Any]) -> dict[int, tuple[float, dict[str, int]]]:
     """Per capacity class of a DynamicFL run: mean convs expanded in the boards' final structure, and how many
     boards expanded each conv (what the boards trained after the round's modulation)."""
-    classes = summary.get("method_report", {}).get("dynamicfl", {}).get("classes", {})
-    trained: dict[int, tuple[float, dict[str, int]]] = {}
-    for label, entry in classes.items():
-        structures = [s or {} for s in entry.get("structures", {}).values()]
-        mean = statistics.mean(len(s) for s in structures) if structures else 0.0
-        trained[int(label.removeprefix("c"))] = (mean, dict(entry.get("expanded_sites", {})))
-    return trained
+    from nestling.server.strategies.dynamicfl import expanded_by_class
+
+    report = summary.get("method_report", {})
+    classes = report.get("dynamicfl", {}).get("classes", {})
+    return {
+        int(label.removeprefix("c")): (mean, dict(classes[label].get("expanded_sites", {})))
+        for label, (mean, _) in expanded_by_class(report).items()
+    }
 
 
 def step_costs(

@@ -180,14 +180,11 @@ class DynamicFL(SubmodelStrategy):
     def describe_trained(cls, method_report: dict[str, Any]) -> str:
         """Per capacity class, the mean number of convs its boards' final structure expands: what they trained
         in the last round's epochs after the modulation (issue 29: report what was trained)."""
-        classes = (method_report.get("dynamicfl") or {}).get("classes") or {}
-        parts = []
-        for label, entry in sorted(classes.items()):
-            structures = [s or {} for s in (entry.get("structures") or {}).values()]
-            if structures:
-                mean = sum(len(s) for s in structures) / len(structures)
-                boards = f"{len(structures)} board" + ("s" if len(structures) != 1 else "")
-                parts.append(f"{label} {mean:.2f} ({boards})")
+        parts = [
+            f"{label} {mean:.2f} ({boards} board{'s' if boards != 1 else ''})"
+            for label, (mean, boards) in sorted(expanded_by_class(method_report).items())
+            if boards
+        ]
         return ("convs expanded in the final round's trained structure: " + ", ".join(parts)) if parts else ""
 
     def state_meta(self) -> dict[str, Any]:
@@ -197,6 +194,18 @@ class DynamicFL(SubmodelStrategy):
         super().load_state(tensors, meta)
         self._structures = {k: dict(v) for k, v in meta.get("structures", {}).items()}
         self._classes = dict(meta.get("classes", {}))
+
+
+def expanded_by_class(method_report: dict[str, Any]) -> dict[str, tuple[float, int]]:
+    """From a run's `method_report` (summary.json): per capacity class label, the mean number of convs its boards'
+    final structures expand and how many boards it has (a board without a well-formed structure counts 0)."""
+    classes = (method_report.get("dynamicfl") or {}).get("classes") or {}
+    out: dict[str, tuple[float, int]] = {}
+    for label, entry in classes.items():
+        structures = [s or {} for s in (entry.get("structures") or {}).values()]
+        mean = sum(len(s) for s in structures) / len(structures) if structures else 0.0
+        out[label] = (mean, len(structures))
+    return out
 
 
 def _count(value: Any, bound: int) -> int:
