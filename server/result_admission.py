@@ -26,6 +26,7 @@ from nestling.server.screening import (
 )
 from nestling.server.strategies.base import DeviceInfo, Strategy
 from nestling.server.strikes import StrikeRecord
+from nestling.server.update_cohort import CONSENSUS_ROUNDS
 
 Pairs = list[tuple[Task, Result]]
 
@@ -53,8 +54,10 @@ class ResultAdmission:
         self.non_finite: set[str] = set()  # ... and of those, the ones whose tensors were NaN/Inf
         self.workspace = UpdateWorkspace()  # the round's flat updates, in buffers reused across rounds
         self.strikes = StrikeRecord(robust.strike_rounds)  # the cohort screen's verdicts per board
-        # This round's cohort-screen verdicts (judged and refused device ids) and the boards set aside for them
-        self.cohort_verdicts: dict[str, list[str]] = {}
+        # This round's cohort-screen verdicts (judged and refused device ids, each submodel cohort's median cosine)
+        # and the boards set aside for them; each submodel's recent median cosines, oldest first
+        self.cohort_verdicts: dict[str, Any] = {}
+        self.consensus: dict[str, list[float]] = {}
         self.aside: dict[str, int] = {}
         self._global_layout: GlobalLayout | None = None
 
@@ -147,10 +150,14 @@ class ResultAdmission:
             self._layout,
             self.cohort,
             self.strikes,
+            self.consensus,
         )
         accepted, self.round_rms = screen.run(round_index, accepted, counters)
         if screen.judged:
             self.cohort_verdicts = {"judged": screen.judged, "refused": screen.struck}
+        if screen.medians:
+            self.cohort_verdicts["medians"] = screen.medians
+            self._remember_medians(screen.medians)
         self.aside = screen.aside
         self.seconds += time.perf_counter() - started
         return accepted
@@ -170,6 +177,18 @@ class ResultAdmission:
             verdicts = record.get("cohort_screen") or {}
             if verdicts.get("judged"):
                 self.strikes.judge(int(record["round"]), verdicts["judged"], set(verdicts.get("refused", [])))
+            medians = verdicts.get("medians")
+            if isinstance(medians, dict):
+                self._remember_medians(
+                    {k: float(v) for k, v in medians.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+                )
+
+    def _remember_medians(self, medians: dict[str, float]) -> None:
+        """Keep each submodel cohort's latest median cosines, as many as the cohort screen looks back on."""
+        for key, value in medians.items():
+            kept = self.consensus.setdefault(key, [])
+            kept.append(value)
+            del kept[: -(CONSENSUS_ROUNDS - 1)]
 
     def _layout(self) -> GlobalLayout:
         """The global model's flat layout the direction screen compares nested updates in (cached per shapes)."""

@@ -54,11 +54,15 @@ class RoundScreen:
     layout: Callable[[], GlobalLayout]
     cohort: list[int]
     strikes: StrikeRecord
+    # Each submodel's median cosine in the cohort screen's earlier rounds (`update_cohort.cohort_key` -> oldest
+    # first): a cohort is judged only when they agree as well as this round's
+    consensus: dict[str, list[float]] = field(default_factory=dict)
     # What the cohort screen judged this round (device ids, for the round's record) and who it set aside
     # (device -> first round it may be selected again).
     judged: list[str] = field(default_factory=list)
     struck: list[str] = field(default_factory=list)
     aside: dict[str, int] = field(default_factory=dict)
+    medians: dict[str, float] = field(default_factory=dict)  # this round's, per submodel cohort
 
     def run(self, round_index: int, accepted: Pairs, counters: Counter[str]) -> tuple[Pairs, float | None]:
         """Refuse updates far outside the round's distribution (their trained weights' size and, when enabled,
@@ -112,7 +116,8 @@ class RoundScreen:
             probation = frozenset(
                 i for i, (_, result) in enumerate(accepted) if self.strikes.on_probation(result.device_id)
             )
-            verdict = update_cohort_outliers(updates, probation, self.workspace)
+            verdict = update_cohort_outliers(updates, probation, self.workspace, self.consensus)
+            self.medians = verdict.medians
             for index, why in verdict.refused.items():
                 turned.setdefault(index, ("rejected_update_cohort", why))
             self.judged = sorted(accepted[i][1].device_id for i in verdict.judged)

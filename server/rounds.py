@@ -53,9 +53,10 @@ class RoundRecord:
     rolled_back: int | None = None
     quarantined: list[str] = field(default_factory=list)
     # The cohort update screen's verdicts (device ids it judged and refused; server/strikes.py keeps each board's
-    # record of them) and the boards set aside this round (device -> first round it may be selected again),
+    # record of them; "medians": each submodel cohort's median cosine, which later rounds' consensus looks back
+    # on) and the boards set aside this round (device -> first round it may be selected again),
     # for rollbacks and strikes alike. Left out of metrics.jsonl when empty.
-    cohort_screen: dict[str, list[str]] = field(default_factory=dict)
+    cohort_screen: dict[str, Any] = field(default_factory=dict)
     set_aside: dict[str, int] = field(default_factory=dict)
     method: dict[str, Any] = field(
         default_factory=dict

@@ -13,13 +13,21 @@ that cosine is
   of its harm, and 0.5 refuses it in those of them where it is 8 deviations out), and
 * more than SPREADS robust deviations below the cohort's median cosine (the deviations' median, at least
   MIN_SPREAD each, widened in cohorts of fewer than twelve: SMALL_COHORT_WIDENING), and
-* in a cohort whose median cosine is at least CONSENSUS, refusing at most a minority.
+* in a cohort whose median cosine is at least CONSENSUS, this round and over the submodel's recent rounds (the
+  median of its last CONSENSUS_ROUNDS round medians, this one included), refusing at most a minority.
 
 On a skewed fleet honest cosines spread out and their median falls (digits, 10 boards, 10 honest rounds: round
 medians +0.19..+0.31 at Dirichlet(0.5), -0.19..+0.03 at Dirichlet(0.1)), so such rounds are not judged: the
 screen acts where boards agree (IID: medians +0.59..+0.74, every honest board >= +0.43 and at most 5.3
-deviations below the median), and there an update that points elsewhere stands out by tens of deviations. A submodel with
-fewer than COHORT_MIN updates in the round is not judged (the caller logs it).
+deviations below the median), and there an update that points elsewhere stands out by tens of deviations.
+
+One round is not enough to call a fleet agreeing. In the fedepth reproduction (CIFAR-10, balanced Dirichlet(0.3),
+seed 2) round medians ran +0.03..+0.29 with two rounds at +0.427 and +0.431, and in the second an honest board
+at -0.402 fell under the cut (-0.379); honest boards of that fleet reach -0.39 in rounds of median +0.19, so one
+round's median and deviation say nothing of its tail. The submodel's recent round medians do (the median of the
+last five: +0.07 at round 12, +0.24 at round 5): a cohort is judged only when they agree too (CONSENSUS_ROUNDS). An IID fleet's medians stay above the line every
+round, so there this changes nothing. A submodel with fewer than COHORT_MIN updates in the round is not judged
+(the caller logs it).
 
 It reads only what screening measured on arrival and never changes an update it does not refuse, so an honest
 run that trips nothing is aggregated bit for bit as with the screen off.
@@ -27,7 +35,9 @@ run that trips nothing is aggregated bit for bit as with the screen off.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from statistics import median
@@ -55,6 +65,9 @@ SMALL_COHORT_WIDENING = {5: 2.07, 6: 1.29, 7: 1.39, 8: 1.10, 9: 1.15, 11: 1.03}
 # refused twice in three judged rounds first.
 PROBATION_SPREADS = 4.0
 CONSENSUS = 0.4  # below this median cosine a cohort has no common direction to defend
+# ... nor does a submodel whose round medians, over its last this many rounds (this one included), have a median
+# below CONSENSUS: one round of a skewed fleet crossing the line by chance is not agreement.
+CONSENSUS_ROUNDS = 5
 
 Signature = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -62,12 +75,14 @@ Signature = tuple[tuple[str, tuple[int, ...]], ...]
 @dataclass
 class CohortVerdict:
     """Index -> reason for each refused update, the updates of cohorts that had a consensus to judge them by
-    (refused or not: server/strikes.py keeps each board's record of them), and the cohorts too small to judge
-    (submodel size -> count)."""
+    (refused or not: server/strikes.py keeps each board's record of them), the cohorts too small to judge
+    (submodel size -> count), and each measured cohort's median cosine this round (`cohort_key` -> median: the
+    caller keeps them as the next rounds' `history`)."""
 
     refused: dict[int, str] = field(default_factory=dict)
     judged: set[int] = field(default_factory=set)
     unjudged: dict[int, int] = field(default_factory=dict)
+    medians: dict[str, float] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=1024)
@@ -77,20 +92,29 @@ def signature(keys: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> Sig
     return tuple(sorted(zip(keys, shapes, strict=True)))
 
 
+def cohort_key(key: Signature) -> str:
+    """A submodel's name in a run's records (metrics.jsonl): a digest of its tensors' names and shapes, the
+    same in every process and every resume."""
+    return hashlib.sha1(repr(key).encode()).hexdigest()[:12]
+
+
 def cohort_outliers(
     updates: list[FlatUpdate],
     probation: frozenset[int] = frozenset(),
     workspace: UpdateWorkspace | None = None,
+    history: Mapping[str, Sequence[float]] | None = None,
 ) -> CohortVerdict:
     """The refusals of one round: each cohort's updates against the mean of its core (`core_cosines`); the
-    updates at the indices `probation` are held to PROBATION_SPREADS. With the `workspace` the updates were
-    measured in, a cohort whose rows are consecutive rows of its matrix is read as one block."""
+    updates at the indices `probation` are held to PROBATION_SPREADS. `history` holds each submodel's median
+    cosines of earlier rounds (`cohort_key` -> oldest first; CohortVerdict.medians has this round's): a cohort
+    is judged only when those recent medians agree too. With the `workspace` the updates were measured in, a
+    cohort whose rows are consecutive rows of its matrix is read as one block."""
     verdict = CohortVerdict()
     cohorts: dict[Signature, list[int]] = {}
     for i, update in enumerate(updates):
         if update.vector.numel():
             cohorts.setdefault(signature(update.keys, update.shapes), []).append(i)
-    for members in cohorts.values():
+    for key, members in cohorts.items():
         if len(members) < COHORT_MIN:
             size = updates[members[0]].size.elements
             verdict.unjudged[size] = verdict.unjudged.get(size, 0) + len(members)
@@ -99,7 +123,11 @@ def cohort_outliers(
         cohort = [updates[i] for i in members]
         gram = _gram(cohort, workspace) if workspace is not None else None
         cosines = list(zip(members, core_cosines(cohort, gram), strict=True))
-        refused = _outliers([(i, c) for i, c in cosines if c is not None], probation)
+        measured = [(i, c) for i, c in cosines if c is not None]
+        name = cohort_key(key)
+        if measured:
+            verdict.medians[name] = median(c for _, c in measured)
+        refused = _outliers(measured, probation, tuple((history or {}).get(name, ())))
         if refused is not None:
             verdict.refused.update(refused)
             verdict.judged.update(i for i, c in cosines if c is not None)
@@ -229,12 +257,14 @@ def _in_order(update: FlatUpdate, like: FlatUpdate) -> torch.Tensor:
     return torch.cat([update.vector[a : a + n] for a, n in (where[key] for key in like.keys)])
 
 
-def cut(values: list[float], spreads: float = SPREADS) -> float | None:
-    """The cosine below which an update of this cohort is refused (None: no consensus, nothing is)."""
+def cut(values: list[float], spreads: float = SPREADS, past: Sequence[float] = ()) -> float | None:
+    """The cosine below which an update of this cohort is refused (None: no consensus, nothing is). `past`: the
+    submodel's median cosines of its earlier rounds, oldest first; the last CONSENSUS_ROUNDS - 1 count."""
     if not values:  # no update had a direction (all zero or non-finite): nothing to judge by
         return None
     centre = median(values)
-    if centre < CONSENSUS:
+    recent = [*list(past)[-(CONSENSUS_ROUNDS - 1) :], centre]
+    if centre < CONSENSUS or median(recent) < CONSENSUS:
         return None
     spread = max(median(abs(c - centre) for c in values), MIN_SPREAD) * SMALL_COHORT_WIDENING.get(
         len(values), 1.0
@@ -242,10 +272,13 @@ def cut(values: list[float], spreads: float = SPREADS) -> float | None:
     return min(FLOOR, centre - spreads * spread)
 
 
-def _outliers(judged: list[tuple[int, float]], probation: frozenset[int]) -> dict[int, str] | None:
-    """The refused of one cohort; None when it was not judged (no consensus, or a majority would be refused)."""
+def _outliers(
+    judged: list[tuple[int, float]], probation: frozenset[int], past: Sequence[float] = ()
+) -> dict[int, str] | None:
+    """The refused of one cohort; None when it was not judged (no consensus this round or over its earlier
+    rounds' medians `past`, or a majority would be refused)."""
     values = [c for _, c in judged]
-    bound, strict = cut(values), cut(values, PROBATION_SPREADS)
+    bound, strict = cut(values, past=past), cut(values, PROBATION_SPREADS, past)
     if bound is None or strict is None:
         return None
     centre = median(values)

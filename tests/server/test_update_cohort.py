@@ -17,9 +17,12 @@ from nestling.server.update_cohort import (
     SMALL_COHORT_WIDENING,
     _gram,
     _outliers,
+    CONSENSUS_ROUNDS,
+    cohort_key,
     cohort_outliers,
     core_cosines,
     cut,
+    signature,
 )
 from tests.server.test_flat_updates import _result, _task
 
@@ -114,6 +117,45 @@ def test_the_cut_needs_a_consensus_and_falls_below_a_spread_out_cohort() -> None
     assert bound is not None and bound < min(skewed)
     # digits at Dirichlet(0.5), round 1 (docs/benchmarks.md): median +0.33, under the consensus level
     assert cut([-0.03, 0.33, 0.35, 0.3, 0.2, 0.34, 0.36, 0.31, 0.25, 0.4]) is None
+
+
+# The fedepth reproduction's seed 2 (CIFAR-10, balanced Dirichlet(0.3), ten boards of four memory tiers): the
+# screen's own cosines in round 5, the first whose median reached the consensus level, and the round medians
+# before it. Round 12 (median +0.431) refused an honest board at -0.402 under a cut of -0.379; honest boards of
+# this fleet reach -0.44 in rounds of median +0.24 (round 10).
+FEDEPTH_ROUND_5 = [-0.012, 0.199, 0.299, 0.335, 0.414, 0.441, 0.446, 0.508, 0.529, 0.551]
+FEDEPTH_MEDIANS_1_TO_4 = [0.264, 0.239, 0.194, 0.242]
+
+
+def test_one_round_over_the_consensus_level_in_a_fleet_that_never_agreed_is_not_judged() -> None:
+    assert cut(FEDEPTH_ROUND_5) == pytest.approx(0.4275 - 8 * 0.097)  # judged on the round alone: -0.349
+    assert cut(FEDEPTH_ROUND_5, past=FEDEPTH_MEDIANS_1_TO_4) is None  # recent medians: +0.242
+    iid_medians = [0.59, 0.74, 0.66, 0.61]
+    assert cut(FEDEPTH_ROUND_5, past=iid_medians) == cut(FEDEPTH_ROUND_5)  # an agreeing fleet: as before
+    # only the last CONSENSUS_ROUNDS - 1 earlier rounds count: a fleet that has come to agree is judged again
+    assert cut(FEDEPTH_ROUND_5, past=[*FEDEPTH_MEDIANS_1_TO_4, *iid_medians]) == cut(FEDEPTH_ROUND_5)
+    assert len(iid_medians) == CONSENSUS_ROUNDS - 1
+    # and a round under the level is never judged, whatever came before
+    assert cut([0.1, 0.2, 0.25, 0.15, 0.3], past=iid_medians) is None
+
+
+def test_the_screen_reports_each_cohorts_median_and_reads_its_history_by_the_same_key() -> None:
+    honest = cohort(9)
+    vectors = [update(v) for v in [-honest[0], *honest]]
+    plain = cohort_outliers(vectors)
+    assert list(plain.refused) == [0]
+    key = cohort_key(signature(("w",), ((64,),)))
+    assert list(plain.medians) == [key] and plain.medians[key] > 0.4
+    # the same round after rounds where this submodel's boards did not agree: not judged, nothing refused
+    skewed = cohort_outliers(vectors, history={key: [0.1, 0.05, 0.3, 0.2]})
+    assert skewed.refused == {} and skewed.judged == set()
+    # after rounds where they did: judged as on its own
+    agreeing = cohort_outliers(vectors, history={key: [0.7, 0.6, 0.65, 0.7]})
+    assert agreeing.refused.keys() == plain.refused.keys() and agreeing.judged == plain.judged
+    # another submodel's history is not this one's
+    assert cohort_outliers(vectors, history={"0" * 12: [0.1] * 4}).refused.keys() == {0}
+    # the key is a digest of names and shapes: the same in every process, for the run's records
+    assert key == cohort_key(signature(("w",), ((64,),))) and len(key) == 12
 
 
 def test_an_honest_straggler_in_a_cohort_of_five_is_kept_a_sign_flip_is_not() -> None:
