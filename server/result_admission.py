@@ -180,7 +180,11 @@ class ResultAdmission:
             medians = verdicts.get("medians")
             if isinstance(medians, dict):
                 self._remember_medians(
-                    {k: float(v) for k, v in medians.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+                    {
+                        k: float(v)
+                        for k, v in medians.items()
+                        if isinstance(v, (int, float)) and math.isfinite(v)
+                    }
                 )
 
     def _remember_medians(self, medians: dict[str, float]) -> None:

@@ -148,15 +148,22 @@ def test_a_resume_restores_each_cohorts_recent_medians_as_the_cohort_screen_kept
     from nestling.server.update_cohort import CONSENSUS_ROUNDS
 
     admission, _, _ = first_round(make_ctx)
-    records = [{"round": r, "aggregated": True, "cohort_screen": {"medians": {"a": 0.1 * r}}} for r in range(7)]
+    records = [
+        {"round": r, "aggregated": True, "cohort_screen": {"medians": {"a": 0.1 * r}}} for r in range(7)
+    ]
     records[3]["cohort_screen"]["medians"]["b"] = 0.6
-    records[4]["cohort_screen"] = {"judged": ["d0"], "refused": [], "medians": {"a": "0.4", "b": float("nan")}}
+    records[4]["cohort_screen"] = {
+        "judged": ["d0"],
+        "refused": [],
+        "medians": {"a": "0.4", "b": float("nan")},
+    }
     records[5]["cohort_screen"] = {"medians": ["not", "a", "mapping"]}
     admission.restore(records)
     # a's medians 0.0, 0.1, 0.2, 0.3 and 0.6 (round 4's string and round 5's list are not medians): the last
     # CONSENSUS_ROUNDS - 1 kept, oldest first; b's NaN left out
     assert CONSENSUS_ROUNDS == 5
-    assert admission.consensus["a"] == pytest.approx([0.1, 0.2, 0.3, 0.6]) and admission.consensus["b"] == [0.6]
+    assert admission.consensus["a"] == pytest.approx([0.1, 0.2, 0.3, 0.6])
+    assert admission.consensus["b"] == [0.6]
 
 
 def test_has_non_finite_reads_float_tensors_and_never_raises() -> None:

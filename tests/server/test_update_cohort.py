@@ -14,10 +14,10 @@ from nestling.server.flat_updates import UpdateWorkspace, flat_update
 from nestling.server.screening import FlatUpdate, UpdateSize
 from nestling.server.update_cohort import (
     COHORT_MIN,
+    CONSENSUS_ROUNDS,
     SMALL_COHORT_WIDENING,
     _gram,
     _outliers,
-    CONSENSUS_ROUNDS,
     cohort_key,
     cohort_outliers,
     core_cosines,
