@@ -25,9 +25,10 @@ One round is not enough to call a fleet agreeing. In the fedepth reproduction (C
 seed 2) round medians ran +0.03..+0.29 with two rounds at +0.427 and +0.431, and in the second an honest board
 at -0.402 fell under the cut (-0.379); honest boards of that fleet reach -0.39 in rounds of median +0.19, so one
 round's median and deviation say nothing of its tail. The submodel's recent round medians do (the median of the
-last five: +0.07 at round 12, +0.24 at round 5): a cohort is judged only when they agree too (CONSENSUS_ROUNDS). An IID fleet's medians stay above the line every
-round, so there this changes nothing. A submodel with fewer than COHORT_MIN updates in the round is not judged
-(the caller logs it).
+last five: +0.07 at round 12, +0.24 at round 5): a cohort is judged only when they agree too (CONSENSUS_ROUNDS).
+An IID fleet's medians stay above the line every round, so there this changes nothing; a minority of attackers
+moves each round's median by a rank or so, as it moved the one round's before. A submodel with fewer than
+COHORT_MIN updates in the round is not judged (the caller logs it).
 
 It reads only what screening measured on arrival and never changes an update it does not refuse, so an honest
 run that trips nothing is aggregated bit for bit as with the screen off.
